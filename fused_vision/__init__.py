@@ -1,0 +1,12 @@
+"""fused_vision: the Gemma 4 vision stem without the one-hot, as Triton kernels with PyTorch fallbacks."""
+
+from importlib.metadata import PackageNotFoundError, version as _version
+
+from .position_embedding import position_embeddings
+
+try:
+    __version__ = _version("fused-vision")
+except PackageNotFoundError:  # running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+__all__ = ["position_embeddings", "__version__"]

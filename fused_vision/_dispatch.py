@@ -1,0 +1,89 @@
+"""Backend choice: Triton where Triton drives the tensors' device, the PyTorch reference elsewhere.
+
+backend="auto" picks Triton for CUDA/ROCm/XPU tensors, or for any tensors when TRITON_INTERPRET=1,
+and the reference otherwise; FUSED_VISION_BACKEND ("triton" or "reference") overrides "auto".
+Under "auto", a Triton compile or launch failure warns once and sends that op on that device type to
+the reference from then on, so a broken toolchain costs one failed compile, not one per call.
+"""
+
+import functools
+import os
+import warnings
+from typing import Callable
+
+import torch
+
+BACKENDS = ("auto", "triton", "reference")
+ENV_BACKEND = "FUSED_VISION_BACKEND"
+_TRITON_DEVICE_TYPES = ("cuda", "xpu")  # ROCm tensors report "cuda"
+
+_failed: set[tuple[str, str]] = set()  # (op, device type) whose kernel failed under "auto"
+
+
+@functools.cache
+def triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def triton_drives(device: torch.device) -> bool:
+    """Whether a Triton kernel can run on tensors of this device here."""
+    if not triton_importable():
+        return False
+    return device.type in _TRITON_DEVICE_TYPES or (device.type == "cpu" and triton_interpreting())
+
+
+def _requested(backend: str) -> str:
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    forced = os.environ.get(ENV_BACKEND, "").strip().lower()
+    if forced in ("", "auto"):
+        return "auto"
+    if forced not in BACKENDS:
+        raise ValueError(f"{ENV_BACKEND}: expected one of {BACKENDS}, got {forced!r}")
+    return forced
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """The backend a call will use: "triton", "reference", or "auto" (Triton, falling back on failure)."""
+    requested = _requested(backend)
+    if requested == "reference":
+        return "reference"
+    if triton_drives(device):
+        return requested
+    if requested == "triton":
+        why = "triton is not installed" if not triton_importable() else f"Triton does not drive {device.type} tensors"
+        raise RuntimeError(
+            f"backend='triton': {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
+        )
+    return "reference"
+
+
+def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, reference_fn: Callable, *args):
+    """Run ``triton_fn(*args)`` or ``reference_fn(*args)`` as ``backend`` says."""
+    chosen = resolve_backend(backend, device)
+    if chosen == "reference" or (chosen == "auto" and (op, device.type) in _failed):
+        return reference_fn(*args)
+    if chosen == "triton":
+        return triton_fn(*args)
+    try:
+        return triton_fn(*args)
+    except Exception as exc:  # compile and launch errors of any kind; inputs were validated before
+        _failed.add((op, device.type))
+        warnings.warn(
+            f"fused_vision.{op}: the Triton kernel failed on {device.type} ({type(exc).__name__}: {exc}); "
+            "this op uses the PyTorch reference from now on. "
+            f"Set {ENV_BACKEND}=reference to silence this, or pass backend='triton' to raise the error.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return reference_fn(*args)

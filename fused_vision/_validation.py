@@ -1,0 +1,73 @@
+"""Input checks shared by the public ops: clear errors instead of memory faults or garbage."""
+
+import torch
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _names(dtypes) -> str:
+    return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def check_tensor(name: str, value, ndim: int, dtypes) -> None:
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.dim() != ndim:
+        raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(value.shape)}")
+    if value.dtype not in dtypes:
+        raise TypeError(f"{name}: expected dtype in ({_names(dtypes)}), got {value.dtype}")
+
+
+def check_shape(name: str, value: torch.Tensor, expected: tuple, described: str) -> None:
+    if tuple(value.shape) != tuple(expected):
+        raise ValueError(f"{name}: expected shape {described} = {tuple(expected)}, got {tuple(value.shape)}")
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> None:
+    named = [(name, t.device) for name, t in tensors.items() if t is not None]
+    first_name, first_device = named[0]
+    for name, device in named[1:]:
+        if device != first_device:
+            raise ValueError(f"{name}: expected a tensor on {first_device} like {first_name}, got one on {device}")
+
+
+def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:
+    """Ids must lie in [-1, P). One min/max reduction and one device-to-host sync.
+
+    Skipped while a CUDA graph is being captured (a sync would break the capture); the kernels
+    then write NaN for rows whose ids are out of range instead of reading out of bounds.
+    """
+    if position_ids.numel() == 0:
+        return
+    if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+        return
+    low, high = torch.stack(torch.aminmax(position_ids)).tolist()
+    if low < -1 or high >= num_positions:
+        raise ValueError(
+            f"position_ids: expected values in [-1, {num_positions}) (-1 marks padding; "
+            f"{num_positions} = position_embedding_size), got values in [{low}, {high}]"
+        )
+
+
+def check_position_inputs(
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    check_tensor("table", table, 3, FLOAT_DTYPES)
+    if table.shape[0] != 2:
+        raise ValueError(f"table: expected shape (2, P, D), got {tuple(table.shape)}")
+    check_tensor("position_ids", position_ids, 3, INDEX_DTYPES)
+    batch, seq_len, axes = position_ids.shape
+    if axes != 2:
+        raise ValueError(f"position_ids: expected shape (B, N, 2) with (x, y) last, got {tuple(position_ids.shape)}")
+    if padding_positions is not None:
+        check_tensor("padding_positions", padding_positions, 2, (torch.bool,))
+        check_shape("padding_positions", padding_positions, (batch, seq_len), "(B, N)")
+    if residual is not None:
+        check_tensor("residual", residual, 3, (table.dtype,))
+        check_shape("residual", residual, (batch, seq_len, table.shape[2]), "(B, N, D)")
+    check_same_device(table=table, position_ids=position_ids, padding_positions=padding_positions, residual=residual)
+    check_position_ids_range(position_ids, table.shape[1])

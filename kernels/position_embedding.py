@@ -1,0 +1,147 @@
+"""Gemma 4's 2-D position-embedding lookup as a gather: no one-hot, one pass, one store.
+
+out[b, n] = round(residual[b, n] + round(table[0, x] + table[1, y]))   (residual optional)
+
+with (x, y) = position_ids[b, n] clamped at 0 and zero in place of the lookup on padding rows. Each
+program owns a BLOCK_ROWS x BLOCK_D tile of the flattened (B * N, D) output; the two table rows are
+fetched only for rows that are not padding.
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import round_to
+
+_TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+@triton.jit
+def _position_embedding_kernel(
+    table_ptr,
+    ids_ptr,
+    padding_ptr,
+    residual_ptr,
+    out_ptr,
+    num_rows,
+    seq_len,
+    num_positions,
+    hidden,
+    stride_table_axis,
+    stride_table_pos,
+    stride_table_d,
+    stride_ids_b,
+    stride_ids_n,
+    stride_ids_axis,
+    stride_padding_b,
+    stride_padding_n,
+    stride_residual_b,
+    stride_residual_n,
+    stride_residual_d,
+    HAS_RESIDUAL: tl.constexpr,
+    OUT_DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    # int64 row indices: B * N * D may exceed 2**31 elements.
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_in = rows < num_rows
+    col_in = cols < hidden
+    tile_in = row_in[:, None] & col_in[None, :]
+
+    batch = rows // seq_len
+    patch = rows % seq_len
+    ids_row = ids_ptr + batch * stride_ids_b + patch * stride_ids_n
+    x = tl.load(ids_row, mask=row_in, other=0).to(tl.int64)
+    y = tl.load(ids_row + stride_ids_axis, mask=row_in, other=0).to(tl.int64)
+    padding = tl.load(padding_ptr + batch * stride_padding_b + patch * stride_padding_n, mask=row_in, other=1) != 0
+
+    # The host checks the id range; rows that slip past it (a skipped check) read nothing and turn NaN.
+    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
+    lookup = row_in & ~padding & ids_valid
+    x = tl.maximum(x, 0)
+    y = tl.maximum(y, 0)
+    lookup_tile = lookup[:, None] & col_in[None, :]
+    col_offsets = cols[None, :] * stride_table_d
+    x_row = tl.load(table_ptr + x[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0)
+    y_row = tl.load(
+        table_ptr + stride_table_axis + y[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0
+    )
+    # Stock sums the two rows in fp32 and rounds once to the table dtype.
+    pe = round_to(x_row.to(tl.float32) + y_row.to(tl.float32), OUT_DTYPE).to(tl.float32)
+    pe = tl.where(padding[:, None], 0.0, pe)
+    pe = tl.where(ids_valid[:, None], pe, float("nan"))
+
+    if HAS_RESIDUAL:
+        residual = tl.load(
+            residual_ptr
+            + batch[:, None] * stride_residual_b
+            + patch[:, None] * stride_residual_n
+            + cols[None, :] * stride_residual_d,
+            mask=tile_in,
+            other=0.0,
+        )
+        # Stock `hidden + pe`: one more fp32 add and one more rounding.
+        pe = residual.to(tl.float32) + pe
+
+    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], round_to(pe, OUT_DTYPE), mask=tile_in)
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _launch_config(num_rows: int, hidden: int) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_D, num_warps).
+
+    The op is bound by the output write; a 32 x 128 tile gives each warp 16-byte vector stores and
+    enough programs to fill the chip at real sizes. The interpreter pays per program, so it gets the
+    largest tiles instead.
+    """
+    if _interpreting():
+        return 64, triton.next_power_of_2(hidden), 1
+    block_d = min(128, triton.next_power_of_2(hidden))
+    return 32, block_d, 4
+
+
+def position_embeddings(
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Launch the lookup on already-validated inputs; returns a new contiguous (B, N, D) tensor."""
+    batch, seq_len, _ = position_ids.shape
+    _, num_positions, hidden = table.shape
+    out = torch.empty((batch, seq_len, hidden), dtype=table.dtype, device=table.device)
+    num_rows = batch * seq_len
+    if out.numel() == 0:
+        return out
+    block_rows, block_d, num_warps = _launch_config(num_rows, hidden)
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
+    # A null residual still needs a pointer argument; HAS_RESIDUAL keeps it from being read.
+    residual_arg = out if residual is None else residual
+    _position_embedding_kernel[grid](
+        table,
+        position_ids,
+        padding_positions.view(torch.uint8),
+        residual_arg,
+        out,
+        num_rows,
+        seq_len,
+        num_positions,
+        hidden,
+        *table.stride(),
+        *position_ids.stride(),
+        *padding_positions.stride(),
+        *residual_arg.stride(),
+        HAS_RESIDUAL=residual is not None,
+        OUT_DTYPE=_TORCH_TO_TL[table.dtype],
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return out

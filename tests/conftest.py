@@ -1,0 +1,58 @@
+"""Shared test helpers. The kernels run under TRITON_INTERPRET=1 on CPU machines (set before import)."""
+
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def dtype_id(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def poison_empty(monkeypatch) -> None:
+    """Make every torch.empty/empty_like NaN-filled (or -1 for integers), so unwritten outputs fail."""
+    real_empty, real_empty_like = torch.empty, torch.empty_like
+
+    def fill(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.fill_(float("nan"))
+        return t.fill_(True if t.dtype == torch.bool else -1)
+
+    monkeypatch.setattr(torch, "empty", lambda *a, **k: fill(real_empty(*a, **k)))
+    monkeypatch.setattr(torch, "empty_like", lambda *a, **k: fill(real_empty_like(*a, **k)))
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    poison_empty(monkeypatch)
+
+
+def assert_bit_identical(actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:
+    """Exact equality, bit for bit (NaN == NaN when the bits agree), with the worst elements on failure."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    int_view = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+    differ = actual.contiguous().view(int_view) != expected.contiguous().view(int_view)
+    if differ.any():
+        where = differ.nonzero()[:5].tolist()
+        detail = "; ".join(f"{tuple(i)}: {actual[tuple(i)].item()!r} vs {expected[tuple(i)].item()!r}" for i in where)
+        raise AssertionError(f"{what}: {int(differ.sum())} of {differ.numel()} elements differ; first: {detail}")
+
+
+def assert_close(actual, expected, *, atol, rtol, what="output") -> None:
+    """torch.testing.assert_close with the worst elements named."""
+    try:
+        torch.testing.assert_close(actual, expected, atol=atol, rtol=rtol, equal_nan=False)
+    except AssertionError as exc:
+        error = (actual.double() - expected.double()).abs()
+        worst = error.flatten().topk(min(5, error.numel())).indices
+        coords = [tuple(int(c) for c in torch.unravel_index(i, error.shape)) for i in worst]
+        detail = "; ".join(f"{c}: {actual[c].item():.6g} vs {expected[c].item():.6g}" for c in coords)
+        raise AssertionError(f"{what}: {exc}\nworst: {detail}") from None

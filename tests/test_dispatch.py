@@ -1,0 +1,73 @@
+"""The backend rule: which path "auto" takes, the environment override, and the warn-once fallback."""
+
+import warnings
+
+import pytest
+import torch
+
+import fused_vision
+from fused_vision import _dispatch
+from fused_vision.kernels import position_embedding as lookup_kernel
+from fused_vision.reference import default_padding_positions, onehot_position_embeddings
+
+from conftest import assert_bit_identical
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def fresh_failures(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_failed", set())
+
+
+def test_auto_on_cpu_follows_the_interpreter(monkeypatch):
+    monkeypatch.delenv("FUSED_VISION_BACKEND", raising=False)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert _dispatch.resolve_backend("auto", CPU) == "auto"
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert _dispatch.resolve_backend("auto", CPU) == "reference"
+    with pytest.raises(RuntimeError, match=r"backend='triton': Triton does not drive cpu tensors"):
+        _dispatch.resolve_backend("triton", CPU)
+
+
+def test_auto_on_gpus():
+    assert _dispatch.resolve_backend("auto", torch.device("cuda")) == "auto"
+    assert _dispatch.resolve_backend("auto", torch.device("xpu")) == "auto"
+    assert _dispatch.resolve_backend("auto", torch.device("mps")) == "reference"
+
+
+@pytest.mark.parametrize("forced", ["reference", "triton"])
+def test_environment_overrides_auto_only(monkeypatch, forced):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("FUSED_VISION_BACKEND", forced)
+    assert _dispatch.resolve_backend("auto", CPU) == forced
+    assert _dispatch.resolve_backend("reference", CPU) == "reference"
+
+
+def test_bad_environment_value(monkeypatch):
+    monkeypatch.setenv("FUSED_VISION_BACKEND", "cuda")
+    with pytest.raises(ValueError, match=r"FUSED_VISION_BACKEND: expected one of"):
+        _dispatch.resolve_backend("auto", CPU)
+
+
+def test_kernel_failure_falls_back_once_with_one_warning(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("FUSED_VISION_BACKEND", raising=False)
+    calls = []
+
+    def broken(*args):
+        calls.append(1)
+        raise RuntimeError("simulated compile failure")
+
+    monkeypatch.setattr(lookup_kernel, "position_embeddings", broken)
+    table = torch.randn(2, 16, 24, dtype=torch.bfloat16)
+    ids = torch.randint(-1, 16, (2, 9, 2))
+    expected = onehot_position_embeddings(table, ids, default_padding_positions(ids))
+    with pytest.warns(RuntimeWarning, match=r"position_embeddings: the Triton kernel failed on cpu .*simulated"):
+        assert_bit_identical(fused_vision.position_embeddings(table, ids), expected)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert_bit_identical(fused_vision.position_embeddings(table, ids), expected)
+    assert len(calls) == 1, "a failed kernel is not retried on every call"
+    with pytest.raises(RuntimeError, match="simulated"):
+        fused_vision.position_embeddings(table, ids, backend="triton")

@@ -1,0 +1,104 @@
+"""The lookup against the one-hot definition: bit-identical for every backend, dtype and layout."""
+
+import pytest
+import torch
+
+import fused_vision
+from fused_vision.reference import default_padding_positions, onehot_position_embeddings
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+
+BACKENDS = ["triton", "reference"]
+
+
+def make_ids(batch, seq_len, num_positions, *, id_dtype=torch.int64, padded_tail=0, half_padded=0, generator=None):
+    """Random (x, y) ids in [0, P) with the last `padded_tail` patches of each item (-1, -1), and
+    `half_padded` patches at the front with only x = -1 (clamped to 0 and looked up, not padding)."""
+    ids = torch.randint(0, num_positions, (batch, seq_len, 2), generator=generator)
+    if padded_tail:
+        ids[:, seq_len - padded_tail :] = -1
+    if half_padded:
+        ids[:, :half_padded, 0] = -1
+    return ids.to(id_dtype)
+
+
+def onehot(table, ids, padding=None):
+    padding = default_padding_positions(ids) if padding is None else padding
+    return onehot_position_embeddings(table, ids.long(), padding)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64], ids=dtype_id)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(
+    "batch,seq_len,num_positions,hidden",
+    [(2, 70, 64, 96), (3, 45, 211, 77), (1, 130, 40, 1)],
+    ids=lambda v: str(v),
+)
+def test_matches_onehot(poisoned, backend, id_dtype, dtype, batch, seq_len, num_positions, hidden):
+    table = torch.randn(2, num_positions, hidden, device=DEVICE).to(dtype)
+    ids = make_ids(batch, seq_len, num_positions, id_dtype=id_dtype, padded_tail=seq_len // 5, half_padded=3)
+    ids = ids.to(DEVICE)
+    expected = onehot(table, ids)
+    actual = fused_vision.position_embeddings(table, ids, backend=backend)
+    assert_bit_identical(actual, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_residual_rounds_like_stock_add(poisoned, backend, dtype):
+    table = torch.randn(2, 50, 72, device=DEVICE).to(dtype)
+    ids = make_ids(3, 41, 50, padded_tail=7).to(DEVICE)
+    residual = (4 * torch.randn(3, 41, 72, device=DEVICE)).to(dtype)
+    expected = residual + onehot(table, ids)
+    actual = fused_vision.position_embeddings(table, ids, residual=residual, backend=backend)
+    assert_bit_identical(actual, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_only_and_no_padding_items(poisoned, backend):
+    table = torch.randn(2, 30, 40, device=DEVICE, dtype=torch.bfloat16)
+    ids = make_ids(3, 25, 30).to(DEVICE)
+    ids[1] = -1  # an item that is all padding
+    actual = fused_vision.position_embeddings(table, ids, backend=backend)
+    assert_bit_identical(actual, onehot(table, ids))
+    assert not actual[1].any(), "an all-padding item must be exactly zero"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_padding_overrides_ids(poisoned, backend):
+    """padding_positions is the caller's word: rows it marks are zero even with valid ids."""
+    table = torch.randn(2, 30, 40, device=DEVICE)
+    ids = make_ids(2, 25, 30).to(DEVICE)
+    padding = torch.rand(2, 25, device=DEVICE) < 0.3
+    actual = fused_vision.position_embeddings(table, ids, padding, backend=backend)
+    assert_bit_identical(actual, onehot(table, ids, padding))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_inputs(poisoned, backend):
+    """Non-contiguous ids, padding, residual and table are read through their strides."""
+    table = torch.randn(60, 2, 2, 48, device=DEVICE, dtype=torch.float16)[:, :, 1].transpose(0, 1)  # (2, 60, 48)
+    ids = make_ids(5, 33, 60, padded_tail=4).to(DEVICE)
+    ids_strided = torch.stack([ids[..., 1], ids[..., 0]], dim=-1).flip(-1).transpose(0, 1).contiguous().transpose(0, 1)
+    residual = torch.randn(33, 5, 48, device=DEVICE, dtype=torch.float16).transpose(0, 1)
+    padding = default_padding_positions(ids).t().contiguous().t()
+    assert not (table.is_contiguous() or ids_strided.is_contiguous() or residual.is_contiguous())
+    assert not padding.is_contiguous()
+    actual = fused_vision.position_embeddings(table, ids_strided, padding, residual=residual, backend=backend)
+    assert_bit_identical(actual, residual + onehot(table.contiguous(), ids, padding))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("shape", [(0, 7), (3, 0)], ids=["no_items", "no_patches"])
+def test_empty_batches(backend, shape):
+    table = torch.randn(2, 10, 16, device=DEVICE)
+    ids = torch.empty(*shape, 2, dtype=torch.int64, device=DEVICE)
+    assert fused_vision.position_embeddings(table, ids, backend=backend).shape == (*shape, 16)
+
+
+def test_repeated_runs_are_identical():
+    table = torch.randn(2, 90, 64, device=DEVICE, dtype=torch.bfloat16)
+    ids = make_ids(2, 50, 90, padded_tail=5).to(DEVICE)
+    first = fused_vision.position_embeddings(table, ids, backend="triton")
+    assert_bit_identical(fused_vision.position_embeddings(table, ids, backend="triton"), first)

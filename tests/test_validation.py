@@ -1,0 +1,69 @@
+"""Bad input raises a clear error naming the argument, on every backend."""
+
+import pytest
+import torch
+
+import fused_vision
+
+from conftest import DEVICE
+
+BACKENDS = ["triton", "reference"]
+
+
+def good():
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    ids = torch.randint(0, 20, (2, 5, 2), device=DEVICE)
+    return table, ids
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "change,error,pattern",
+    [
+        (lambda t, i: (t, i.clone().fill_(20)), ValueError, r"position_ids: expected values in \[-1, 20\)"),
+        (lambda t, i: (t, i.clone().fill_(-2)), ValueError, r"position_ids: expected values in \[-1, 20\).*-2"),
+        (lambda t, i: (t, i.float()), TypeError, r"position_ids: expected dtype in \(int32, int64\)"),
+        (lambda t, i: (t, i[..., :1]), ValueError, r"position_ids: expected shape \(B, N, 2\)"),
+        (lambda t, i: (t, i[0]), ValueError, r"position_ids: expected 3 dimensions"),
+        (lambda t, i: (t[:1], i), ValueError, r"table: expected shape \(2, P, D\)"),
+        (lambda t, i: (t[0], i), ValueError, r"table: expected 3 dimensions"),
+        (lambda t, i: (t.long(), i), TypeError, r"table: expected dtype in \(float32, float16, bfloat16\)"),
+        (lambda t, i: (t.double(), i), TypeError, r"table: expected dtype"),
+        (lambda t, i: (t, i.tolist()), TypeError, r"position_ids: expected a torch.Tensor"),
+    ],
+    ids=["id_too_large", "id_below_minus_one", "float_ids", "last_dim_not_2", "ids_rank", "table_axes",
+         "table_rank", "integer_table", "float64_table", "ids_not_tensor"],
+)
+def test_bad_table_or_ids(backend, change, error, pattern):
+    table, ids = change(*good())
+    with pytest.raises(error, match=pattern):
+        fused_vision.position_embeddings(table, ids, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kwargs,error,pattern",
+    [
+        (dict(padding_positions=torch.zeros(2, 4, dtype=torch.bool)), ValueError, r"padding_positions: expected shape \(B, N\)"),
+        (dict(padding_positions=torch.zeros(2, 5)), TypeError, r"padding_positions: expected dtype in \(bool\)"),
+        (dict(residual=torch.zeros(2, 5, 9)), ValueError, r"residual: expected shape \(B, N, D\)"),
+        (dict(residual=torch.zeros(2, 5, 8, dtype=torch.float16)), TypeError, r"residual: expected dtype in \(float32\)"),
+    ],
+    ids=["padding_shape", "padding_dtype", "residual_shape", "residual_dtype"],
+)
+def test_bad_padding_or_residual(backend, kwargs, error, pattern):
+    table, ids = good()
+    kwargs = {k: v.to(DEVICE) for k, v in kwargs.items()}
+    with pytest.raises(error, match=pattern):
+        fused_vision.position_embeddings(table, ids, backend=backend, **kwargs)
+
+
+def test_tensors_on_different_devices():
+    table, ids = good()
+    with pytest.raises(ValueError, match=r"position_ids: expected a tensor on cpu like table, got one on meta"):
+        fused_vision.position_embeddings(table.cpu(), ids.to("meta"))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'triton', 'reference'\), got 'cuda'"):
+        fused_vision.position_embeddings(*good(), backend="cuda")
