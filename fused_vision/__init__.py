@@ -2,6 +2,8 @@
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from .patch_embed import patch_embed
+from .pooler import pool_by_positions
 from .position_embedding import position_embeddings
 
 try:
@@ -9,4 +11,4 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["position_embeddings", "__version__"]
+__all__ = ["patch_embed", "pool_by_positions", "position_embeddings", "__version__"]

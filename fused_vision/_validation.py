@@ -50,15 +50,8 @@ def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> 
         )
 
 
-def check_position_inputs(
-    table: torch.Tensor,
-    position_ids: torch.Tensor,
-    padding_positions: torch.Tensor | None,
-    residual: torch.Tensor | None,
-) -> None:
-    check_tensor("table", table, 3, FLOAT_DTYPES)
-    if table.shape[0] != 2:
-        raise ValueError(f"table: expected shape (2, P, D), got {tuple(table.shape)}")
+def check_ids_and_padding(position_ids: torch.Tensor, padding_positions: torch.Tensor | None) -> tuple[int, int]:
+    """Shapes and dtypes of (B, N, 2) ids and optional (B, N) padding; returns (B, N)."""
     check_tensor("position_ids", position_ids, 3, INDEX_DTYPES)
     batch, seq_len, axes = position_ids.shape
     if axes != 2:
@@ -66,8 +59,59 @@ def check_position_inputs(
     if padding_positions is not None:
         check_tensor("padding_positions", padding_positions, 2, (torch.bool,))
         check_shape("padding_positions", padding_positions, (batch, seq_len), "(B, N)")
+    return batch, seq_len
+
+
+def check_table(table: torch.Tensor, dtypes=FLOAT_DTYPES) -> None:
+    check_tensor("table", table, 3, dtypes)
+    if table.shape[0] != 2:
+        raise ValueError(f"table: expected shape (2, P, D), got {tuple(table.shape)}")
+
+
+def check_position_inputs(
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    check_table(table)
+    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
     if residual is not None:
         check_tensor("residual", residual, 3, (table.dtype,))
         check_shape("residual", residual, (batch, seq_len, table.shape[2]), "(B, N, D)")
     check_same_device(table=table, position_ids=position_ids, padding_positions=padding_positions, residual=residual)
     check_position_ids_range(position_ids, table.shape[1])
+
+
+def check_patch_embed_inputs(
+    pixel_values: torch.Tensor,
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor | None,
+) -> None:
+    check_tensor("weight", weight, 2, FLOAT_DTYPES)
+    hidden, features = weight.shape
+    check_table(table, (weight.dtype,))
+    if table.shape[2] != hidden:
+        raise ValueError(f"table: expected shape (2, P, D) with D = weight.shape[0] = {hidden}, got {tuple(table.shape)}")
+    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
+    check_tensor("pixel_values", pixel_values, 3, FLOAT_DTYPES)
+    check_shape("pixel_values", pixel_values, (batch, seq_len, features), "(B, N, weight.shape[1])")
+    check_same_device(
+        pixel_values=pixel_values, weight=weight, table=table, position_ids=position_ids, padding_positions=padding_positions
+    )
+    check_position_ids_range(position_ids, table.shape[1])
+
+
+def check_pool_inputs(
+    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length
+) -> None:
+    check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
+    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
+    if padding_positions is None:
+        raise TypeError("padding_positions: expected a (B, N) bool tensor, got None")
+    check_shape("hidden_states", hidden_states, (batch, seq_len, hidden_states.shape[2]), "(B, N, D) like position_ids")
+    if isinstance(output_length, bool) or not isinstance(output_length, int) or output_length < 1:
+        raise ValueError(f"output_length: expected a positive int, got {output_length!r}")
+    check_same_device(hidden_states=hidden_states, position_ids=position_ids, padding_positions=padding_positions)

@@ -4,6 +4,8 @@ fallback on devices Triton does not drive.
 These functions do not validate their inputs; ``fused_vision``'s public ops do, then call them.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -47,3 +49,81 @@ def position_embeddings(
     pe = F.embedding(clamped[..., 0], table[0]) + F.embedding(clamped[..., 1], table[1])
     pe = pe.masked_fill(padding_positions.unsqueeze(-1), 0.0)
     return pe if residual is None else residual + pe
+
+
+def patch_embed(
+    pixel_values: torch.Tensor,
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``Gemma4VisionPatchEmbedder.forward``: prescale in the pixel dtype, cast, project, add the lookup."""
+    hidden_states = F.linear((2 * (pixel_values - 0.5)).to(weight.dtype), weight)
+    return position_embeddings(table, position_ids, padding_positions, residual=hidden_states)
+
+
+def pooling_kernel_size(seq_len: int, output_length: int) -> int:
+    """k with k * k * L == N, raising as ``Gemma4VisionPooler`` does when there is none."""
+    if output_length > seq_len:
+        raise ValueError(
+            f"Cannot output more soft tokens (requested {output_length}) than there are patches ({seq_len})."
+        )
+    k = math.isqrt(seq_len // output_length)
+    if k * k * output_length != seq_len:
+        raise ValueError(f"Cannot pool {seq_len} patches to {output_length}: {k=}^2 times {output_length=} must be {seq_len}.")
+    return k
+
+
+def pooling_slots(position_ids: torch.Tensor, k: int) -> torch.Tensor:
+    """The output slot of every patch: k x k blocks of positions, numbered row-major over the item's width."""
+    clamped = position_ids.clamp(min=0)
+    max_x = clamped[..., 0].amax(dim=-1, keepdim=True) + 1
+    return clamped[..., 0] // k + (max_x // k) * (clamped[..., 1] // k)
+
+
+def onehot_pool_by_positions(
+    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Gemma4VisionPooler.forward`` as transformers ships it: a (B, N, L) fp32 one-hot matmul.
+
+    Returns the pooled features scaled by sqrt(D) in fp32 (as transformers 5.10+; 5.5-5.9 return them
+    in the hidden dtype, i.e. this result cast back) and the mask of filled slots. When N == L stock
+    skips the pooling and returns ``padding_positions`` itself as the mask (True = padding), which the
+    tower then uses as if True meant valid; this mirrors it.
+    """
+    seq_len, hidden = hidden_states.shape[1], hidden_states.shape[2]
+    hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
+    if seq_len == output_length:
+        return hidden_states.float() * hidden**0.5, padding_positions
+    k = pooling_kernel_size(seq_len, output_length)
+    weights = F.one_hot(pooling_slots(position_ids, k).long(), output_length).float() / (k * k)
+    pooled = (weights.transpose(1, 2) @ hidden_states.float()).to(hidden_states.dtype)
+    mask = torch.logical_not((weights == 0).all(dim=1))
+    return pooled.float() * hidden**0.5, mask
+
+
+def pool_by_positions(
+    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The pooler as a scatter-add: same semantics as ``onehot_pool_by_positions``, no (B, N, L) one-hot.
+
+    Slots at or past ``output_length`` raise a ValueError (stock's ``F.one_hot`` raises too).
+    """
+    batch, seq_len, hidden = hidden_states.shape
+    hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
+    if seq_len == output_length:
+        return hidden_states.float() * hidden**0.5, padding_positions
+    k = pooling_kernel_size(seq_len, output_length)
+    slots = pooling_slots(position_ids, k)
+    if slots.numel() and int(slots.max()) >= output_length:
+        raise ValueError(
+            f"position_ids: the k x k blocks of positions (k={k}) number up to {int(slots.max()) + 1}, "
+            f"more than output_length={output_length}"
+        )
+    sums = torch.zeros(batch, output_length, hidden, dtype=torch.float32, device=hidden_states.device)
+    sums.scatter_add_(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())
+    pooled = (sums / (k * k)).to(hidden_states.dtype)
+    counts = torch.zeros(batch, output_length, dtype=torch.int32, device=hidden_states.device)
+    counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
+    return pooled.float() * hidden**0.5, counts > 0
