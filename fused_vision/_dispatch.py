@@ -4,6 +4,7 @@ backend="auto" picks Triton for CUDA/ROCm/XPU tensors, or for any tensors when T
 and the reference otherwise; FUSED_VISION_BACKEND ("triton" or "reference") overrides "auto".
 Under "auto", a Triton compile or launch failure warns once and sends that op on that device type to
 the reference from then on, so a broken toolchain costs one failed compile, not one per call.
+Input errors (ValueError, TypeError) are never swallowed by the fallback.
 """
 
 import functools
@@ -77,7 +78,9 @@ def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, r
         return triton_fn(*args)
     try:
         return triton_fn(*args)
-    except Exception as exc:  # compile and launch errors of any kind; inputs were validated before
+    except (ValueError, TypeError):  # the input's fault: the reference would raise it too
+        raise
+    except Exception as exc:  # compile and launch errors of any kind
         _failed.add((op, device.type))
         warnings.warn(
             f"fused_vision.{op}: the Triton kernel failed on {device.type} ({type(exc).__name__}: {exc}); "

@@ -10,7 +10,14 @@ from ._validation import check_pool_inputs
 def _triton(hidden_states, position_ids, padding_positions, output_length):
     from .kernels.pooler import pool_by_positions as launch
 
-    return launch(hidden_states, position_ids, padding_positions, output_length)
+    seq_len = hidden_states.shape[1]
+    if seq_len == output_length:  # no pooling: stock's masked scale, nothing for a kernel to fuse
+        return reference.pool_by_positions(hidden_states, position_ids, padding_positions, output_length)
+    k = reference.pooling_kernel_size(seq_len, output_length)
+    pooled, mask, overflow = launch(hidden_states, position_ids, padding_positions, output_length, k)
+    if overflow.any():  # one device-to-host sync, as the reference's own check
+        raise reference.slot_overflow_error(k, output_length)
+    return pooled, mask
 
 
 def pool_by_positions(

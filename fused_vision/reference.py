@@ -75,6 +75,13 @@ def pooling_kernel_size(seq_len: int, output_length: int) -> int:
     return k
 
 
+def slot_overflow_error(k: int, output_length: int) -> ValueError:
+    return ValueError(
+        f"position_ids: the {k}x{k} blocks of positions need more than output_length={output_length} slots "
+        "(stock's F.one_hot raises here too); check that the ids match the pixel grid"
+    )
+
+
 def pooling_slots(position_ids: torch.Tensor, k: int) -> torch.Tensor:
     """The output slot of every patch: k x k blocks of positions, numbered row-major over the item's width."""
     clamped = position_ids.clamp(min=0)
@@ -117,10 +124,7 @@ def pool_by_positions(
     k = pooling_kernel_size(seq_len, output_length)
     slots = pooling_slots(position_ids, k)
     if slots.numel() and int(slots.max()) >= output_length:
-        raise ValueError(
-            f"position_ids: the k x k blocks of positions (k={k}) number up to {int(slots.max()) + 1}, "
-            f"more than output_length={output_length}"
-        )
+        raise slot_overflow_error(k, output_length)
     sums = torch.zeros(batch, output_length, hidden, dtype=torch.float32, device=hidden_states.device)
     sums.scatter_add_(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())
     pooled = (sums / (k * k)).to(hidden_states.dtype)

@@ -7,15 +7,58 @@ program owns a BLOCK_ROWS x BLOCK_D tile of the flattened (B * N, D) output; the
 fetched only for rows that are not padding.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from .rounding import round_to
+from .common import TORCH_TO_TL, interpreting, round_to
 
-_TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+@triton.jit
+def load_positions(
+    ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+):
+    """The (x, y) ids as int64 and the padding flag of each row of a tile."""
+    ids_row = ids_ptr + batch * stride_ids_b + patch * stride_ids_n
+    x = tl.load(ids_row, mask=row_in, other=0).to(tl.int64)
+    y = tl.load(ids_row + stride_ids_axis, mask=row_in, other=0).to(tl.int64)
+    padding = tl.load(padding_ptr + batch * stride_padding_b + patch * stride_padding_n, mask=row_in, other=1) != 0
+    return x, y, padding
+
+
+@triton.jit
+def position_embedding_tile(
+    table_ptr,
+    x,
+    y,
+    padding,
+    row_in,
+    cols,
+    col_in,
+    num_positions,
+    stride_table_axis,
+    stride_table_pos,
+    stride_table_d,
+    DTYPE: tl.constexpr,
+):
+    """fp32 tile holding round_DTYPE(table[0, x] + table[1, y]), 0 on padding rows.
+
+    The host checks the id range; rows that slip past it (a skipped check) read nothing and turn NaN.
+    """
+    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
+    lookup = row_in & ~padding & ids_valid
+    x = tl.maximum(x, 0)
+    y = tl.maximum(y, 0)
+    lookup_tile = lookup[:, None] & col_in[None, :]
+    col_offsets = cols[None, :] * stride_table_d
+    x_row = tl.load(table_ptr + x[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0)
+    y_row = tl.load(
+        table_ptr + stride_table_axis + y[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0
+    )
+    # Stock sums the two rows in fp32 and rounds once to the table dtype.
+    pe = round_to(x_row.to(tl.float32) + y_row.to(tl.float32), DTYPE).to(tl.float32)
+    pe = tl.where(padding[:, None], 0.0, pe)
+    return tl.where(ids_valid[:, None], pe, float("nan"))
 
 
 @triton.jit
@@ -51,30 +94,15 @@ def _position_embedding_kernel(
     row_in = rows < num_rows
     col_in = cols < hidden
     tile_in = row_in[:, None] & col_in[None, :]
-
     batch = rows // seq_len
     patch = rows % seq_len
-    ids_row = ids_ptr + batch * stride_ids_b + patch * stride_ids_n
-    x = tl.load(ids_row, mask=row_in, other=0).to(tl.int64)
-    y = tl.load(ids_row + stride_ids_axis, mask=row_in, other=0).to(tl.int64)
-    padding = tl.load(padding_ptr + batch * stride_padding_b + patch * stride_padding_n, mask=row_in, other=1) != 0
 
-    # The host checks the id range; rows that slip past it (a skipped check) read nothing and turn NaN.
-    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
-    lookup = row_in & ~padding & ids_valid
-    x = tl.maximum(x, 0)
-    y = tl.maximum(y, 0)
-    lookup_tile = lookup[:, None] & col_in[None, :]
-    col_offsets = cols[None, :] * stride_table_d
-    x_row = tl.load(table_ptr + x[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0)
-    y_row = tl.load(
-        table_ptr + stride_table_axis + y[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0
+    x, y, padding = load_positions(
+        ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
     )
-    # Stock sums the two rows in fp32 and rounds once to the table dtype.
-    pe = round_to(x_row.to(tl.float32) + y_row.to(tl.float32), OUT_DTYPE).to(tl.float32)
-    pe = tl.where(padding[:, None], 0.0, pe)
-    pe = tl.where(ids_valid[:, None], pe, float("nan"))
-
+    pe = position_embedding_tile(
+        table_ptr, x, y, padding, row_in, cols, col_in, num_positions, stride_table_axis, stride_table_pos, stride_table_d, OUT_DTYPE
+    )
     if HAS_RESIDUAL:
         residual = tl.load(
             residual_ptr
@@ -90,10 +118,6 @@ def _position_embedding_kernel(
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], round_to(pe, OUT_DTYPE), mask=tile_in)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _launch_config(num_rows: int, hidden: int) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_D, num_warps).
 
@@ -101,7 +125,7 @@ def _launch_config(num_rows: int, hidden: int) -> tuple[int, int, int]:
     enough programs to fill the chip at real sizes. The interpreter pays per program, so it gets the
     largest tiles instead.
     """
-    if _interpreting():
+    if interpreting():
         return 64, triton.next_power_of_2(hidden), 1
     block_d = min(128, triton.next_power_of_2(hidden))
     return 32, block_d, 4
@@ -139,7 +163,7 @@ def position_embeddings(
         *padding_positions.stride(),
         *residual_arg.stride(),
         HAS_RESIDUAL=residual is not None,
-        OUT_DTYPE=_TORCH_TO_TL[table.dtype],
+        OUT_DTYPE=TORCH_TO_TL[table.dtype],
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,

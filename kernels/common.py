@@ -1,7 +1,18 @@
-"""Rounding fp32 values to the storage dtype, identically on GPUs and under TRITON_INTERPRET=1."""
+"""Helpers shared by the kernels: dtype mapping, interpreter detection, rounding to the storage dtype
+(identical on GPUs and under TRITON_INTERPRET=1)."""
 
+import os
+
+import torch
 import triton
 import triton.language as tl
+
+TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+
+
+def interpreting() -> bool:
+    """Whether kernels run in Triton's CPU interpreter (which has no bf16 dot and truncating casts)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit

@@ -1,0 +1,155 @@
+"""Gemma 4's patch embedder as one GEMM kernel with the prescale in the prologue and the lookup in the epilogue.
+
+out[m] = round(round(W @ round_W(2 * (pixels[m] - 0.5))) + pe[m])
+
+- Prologue: pixels (fp32, fp16 or bf16, the processor's dtype) are prescaled in their own dtype and
+  rounded to the weight dtype on load, as stock's `(2 * (pixel_values - 0.5)).to(W.dtype)`.
+- Main loop: tensor-core dot with an fp32 accumulator.
+- Epilogue: the accumulator rounds to the weight dtype (stock's `input_proj` output), the two table rows
+  are gathered for non-padding rows, and `hidden + pe` rounds once more, as stock. One store; no
+  (B, N, K) or (B, N, D) temporaries.
+
+Programs walk the D blocks of one M block consecutively, so a pixel tile comes from HBM once and from
+L2 for the other D blocks; the (D, K) weight stays resident in L2.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import TORCH_TO_TL, interpreting, round_to
+from .position_embedding import load_positions, position_embedding_tile
+
+
+@triton.jit
+def _patch_embed_kernel(
+    pixels_ptr,
+    weight_ptr,
+    table_ptr,
+    ids_ptr,
+    padding_ptr,
+    out_ptr,
+    num_rows,
+    seq_len,
+    features,
+    hidden,
+    num_positions,
+    stride_pixels_b,
+    stride_pixels_n,
+    stride_pixels_k,
+    stride_weight_d,
+    stride_weight_k,
+    stride_table_axis,
+    stride_table_pos,
+    stride_table_d,
+    stride_ids_b,
+    stride_ids_n,
+    stride_ids_axis,
+    stride_padding_b,
+    stride_padding_n,
+    PIXEL_DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    num_d_blocks = tl.cdiv(hidden, BLOCK_D)
+    pid = tl.program_id(0)
+    rows = (pid // num_d_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = (pid % num_d_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_in = rows < num_rows
+    col_in = cols < hidden
+    batch = rows // seq_len
+    patch = rows % seq_len
+
+    pixel_rows = pixels_ptr + batch[:, None] * stride_pixels_b + patch[:, None] * stride_pixels_n
+    weight_cols = weight_ptr + cols[None, :] * stride_weight_d
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    for k0 in range(0, features, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_in = ks < features
+        pixels = tl.load(pixel_rows + ks[None, :] * stride_pixels_k, mask=row_in[:, None] & k_in[None, :], other=0.5)
+        # 2 * (p - 0.5) in the pixel dtype (the doubling is exact), then the cast to the weight dtype.
+        shifted = round_to(pixels.to(tl.float32) - 0.5, PIXEL_DTYPE).to(tl.float32)
+        a = round_to(2.0 * shifted, DTYPE)
+        b = tl.load(weight_cols + ks[:, None] * stride_weight_k, mask=k_in[:, None] & col_in[None, :], other=0.0)
+        if DOT_IN_FP32:  # the interpreter has no bf16 dot; bf16 values are exact in fp32
+            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+        elif DTYPE == tl.float32:
+            acc = tl.dot(a, b, acc, input_precision="ieee")  # stock fp32 linear does not use tf32
+        else:
+            acc = tl.dot(a, b, acc)
+
+    hidden_states = round_to(acc, DTYPE).to(tl.float32)
+    x, y, padding = load_positions(
+        ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+    )
+    pe = position_embedding_tile(
+        table_ptr, x, y, padding, row_in, cols, col_in, num_positions, stride_table_axis, stride_table_pos, stride_table_d, DTYPE
+    )
+    out = round_to(hidden_states + pe, DTYPE)
+    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
+
+
+_GPU_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bm, bd, bk, w, s in [
+        (128, 128, 64, 4, 4),
+        (128, 128, 64, 8, 3),
+        (128, 256, 64, 8, 3),
+        (64, 128, 64, 4, 4),
+        (128, 64, 64, 4, 4),
+        (256, 128, 64, 8, 3),
+    ]
+]
+# Tuned per (D, K, dtypes): the row count varies per call and does not change the best tile much.
+_patch_embed_tuned = triton.autotune(configs=_GPU_CONFIGS, key=["hidden", "features"])(_patch_embed_kernel)
+
+
+def patch_embed(
+    pixel_values: torch.Tensor,
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+) -> torch.Tensor:
+    """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor."""
+    batch, seq_len, features = pixel_values.shape
+    hidden = weight.shape[0]
+    out = torch.empty((batch, seq_len, hidden), dtype=weight.dtype, device=weight.device)
+    num_rows = batch * seq_len
+    if out.numel() == 0:
+        return out
+    args = (
+        pixel_values,
+        weight,
+        table,
+        position_ids,
+        padding_positions.view(torch.uint8),
+        out,
+        num_rows,
+        seq_len,
+        features,
+        hidden,
+        table.shape[1],
+        *pixel_values.stride(),
+        *weight.stride(),
+        *table.stride(),
+        *position_ids.stride(),
+        *padding_positions.stride(),
+    )
+    dtypes = dict(PIXEL_DTYPE=TORCH_TO_TL[pixel_values.dtype], DTYPE=TORCH_TO_TL[weight.dtype])
+
+    def grid(meta):
+        return (triton.cdiv(num_rows, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_D"]),)
+
+    if interpreting():
+        # Fixed large tiles: the interpreter pays per program, and autotuning needs a GPU.
+        block_d = min(256, triton.next_power_of_2(hidden))
+        _patch_embed_kernel[grid](
+            *args, **dtypes, DOT_IN_FP32=weight.dtype == torch.bfloat16, BLOCK_M=64, BLOCK_D=block_d, BLOCK_K=64
+        )
+    else:
+        _patch_embed_tuned[grid](*args, **dtypes, DOT_IN_FP32=False)
+    return out

@@ -1,0 +1,91 @@
+"""The fused patch embedder against stock's `input_proj(2 * (p - 0.5)) + pe` and a float64 reference."""
+
+import pytest
+import torch
+
+import fused_vision
+from fused_vision import reference
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_close, dtype_id
+from test_position_embeddings import make_ids
+
+BACKENDS = ["triton", "reference"]
+# One unit in the last place of the output dtype: the GEMM may sum in another order than stock's.
+TOLERANCE = {torch.float32: 1e-5, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def make_inputs(batch, seq_len, features, hidden, num_positions, dtype, pixel_dtype, padded_tail):
+    pixels = torch.rand(batch, seq_len, features, device=DEVICE).to(pixel_dtype)
+    pixels[:, seq_len - padded_tail :] = 0.0  # processors pad pixels with 0 and ids with (-1, -1)
+    weight = (torch.randn(hidden, features, device=DEVICE) / features**0.5).to(dtype)
+    table = torch.randn(2, num_positions, hidden, device=DEVICE).to(dtype)
+    ids = make_ids(batch, seq_len, num_positions, padded_tail=padded_tail, half_padded=2).to(DEVICE)
+    return pixels, weight, table, ids
+
+
+def relative_error(actual, exact):
+    return ((actual.double() - exact).norm() / exact.norm()).item()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("pixel_dtype", [torch.float32, torch.bfloat16], ids=lambda d: "pixels_" + dtype_id(d))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(
+    "batch,seq_len,features,hidden", [(2, 45, 768, 72), (3, 37, 48, 33)], ids=["K768_D72", "K48_D33"]
+)
+def test_matches_stock_and_is_as_accurate(poisoned, backend, pixel_dtype, dtype, batch, seq_len, features, hidden):
+    pixels, weight, table, ids = make_inputs(batch, seq_len, features, hidden, 50, dtype, pixel_dtype, seq_len // 6)
+    actual = fused_vision.patch_embed(pixels, weight, table, ids, backend=backend)
+    stock = reference.patch_embed(pixels, weight, table, ids)
+    assert actual.dtype == dtype
+    tol = TOLERANCE[dtype]
+    assert_close(actual.float(), stock.float(), atol=tol, rtol=tol)
+
+    exact = reference.patch_embed(pixels.double(), weight.double(), table.double(), ids)
+    fused_error, stock_error = relative_error(actual, exact), relative_error(stock, exact)
+    assert fused_error <= 1.5 * stock_error + 1e-12, f"relative error {fused_error:.3g} vs stock {stock_error:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_rows_hold_the_projection_of_their_pixels(poisoned, backend):
+    pixels, weight, table, ids = make_inputs(2, 20, 48, 40, 30, torch.float32, torch.float32, 6)
+    actual = fused_vision.patch_embed(pixels, weight, table, ids, backend=backend)
+    expected = torch.nn.functional.linear(2 * (pixels[:, -6:] - 0.5), weight)
+    assert_close(actual[:, -6:], expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_pixels_and_int32_ids(poisoned, backend):
+    pixels, weight, table, ids = make_inputs(3, 21, 48, 40, 30, torch.float16, torch.float32, 4)
+    pixels_t = pixels.transpose(0, 1).contiguous().transpose(0, 1)
+    weight_t = weight.t().contiguous().t()
+    assert not (pixels_t.is_contiguous() or weight_t.is_contiguous())
+    actual = fused_vision.patch_embed(pixels_t, weight_t, table, ids.int(), backend=backend)
+    assert_close(actual.float(), reference.patch_embed(pixels, weight, table, ids).float(), atol=2**-10, rtol=2**-10)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_batch(backend):
+    pixels, weight, table, ids = make_inputs(1, 8, 48, 16, 10, torch.float32, torch.float32, 0)
+    out = fused_vision.patch_embed(pixels[:0], weight, table, ids[:0], backend=backend)
+    assert out.shape == (0, 8, 16)
+
+
+@pytest.mark.parametrize(
+    "change,error,pattern",
+    [
+        (dict(weight=lambda w: w[:, :40]), ValueError, r"pixel_values: expected shape \(B, N, weight.shape\[1\]\)"),
+        (dict(table=lambda t: t[..., :8]), ValueError, r"table: expected shape \(2, P, D\) with D = weight.shape\[0\]"),
+        (dict(table=lambda t: t.half()), TypeError, r"table: expected dtype in \(float32\)"),
+        (dict(pixel_values=lambda p: p.long()), TypeError, r"pixel_values: expected dtype"),
+        (dict(position_ids=lambda i: i + 30), ValueError, r"position_ids: expected values in \[-1, 30\)"),
+    ],
+    ids=["features", "hidden", "table_dtype", "integer_pixels", "ids_range"],
+)
+def test_bad_input(change, error, pattern):
+    pixels, weight, table, ids = make_inputs(2, 8, 48, 16, 30, torch.float32, torch.float32, 0)
+    args = dict(pixel_values=pixels, weight=weight, table=table, position_ids=ids)
+    for name, fn in change.items():
+        args[name] = fn(args[name])
+    with pytest.raises(error, match=pattern):
+        fused_vision.patch_embed(**args)

@@ -1,0 +1,115 @@
+"""The pooler against stock's one-hot: same slots and mask, averages within one rounding, deterministic."""
+
+import pytest
+import torch
+
+import fused_vision
+from fused_vision import reference
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
+
+BACKENDS = ["triton", "reference"]
+# The average rounds to the hidden dtype before the fp32 scale: allow one unit in its last place.
+TOLERANCE = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+
+
+def image_ids(width, height, seq_len):
+    """Row-major (x fastest) ids of a width x height patch grid, padded with (-1, -1) to seq_len."""
+    ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    ids = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return torch.cat([ids, torch.full((seq_len - len(ids), 2), -1)])
+
+
+def make_batch(grids, k, output_length, hidden, dtype, shuffle=False):
+    seq_len = k * k * output_length
+    ids = torch.stack([image_ids(w, h, seq_len) for w, h in grids])
+    if shuffle:  # the pooler is defined by positions, not by patch order
+        ids = ids[:, torch.randperm(seq_len)]
+    hidden_states = torch.randn(len(grids), seq_len, hidden).to(dtype)
+    return hidden_states.to(DEVICE), ids.to(DEVICE), (ids == -1).all(-1).to(DEVICE)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize(
+    "grids,k,output_length,hidden,shuffle",
+    [
+        ([(12, 9), (6, 6), (9, 3)], 3, 12, 40, False),
+        ([(8, 10), (4, 4)], 2, 20, 33, True),
+        ([(15, 6), (3, 3)], 3, 10, 130, False),
+    ],
+    ids=["k3_three_items", "k2_shuffled", "k3_D130"],
+)
+def test_matches_onehot_pooler(poisoned, backend, dtype, grids, k, output_length, hidden, shuffle):
+    hidden_states, ids, padding = make_batch(grids, k, output_length, hidden, dtype, shuffle)
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, output_length, backend=backend)
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, output_length)
+    assert pooled.dtype == torch.float32
+    assert_bit_identical(mask, expected_mask, "mask")
+    tol = TOLERANCE[dtype]
+    assert_close(pooled, expected, atol=tol * hidden**0.5, rtol=tol)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_ids_and_strided_hidden(poisoned, backend):
+    hidden_states, ids, padding = make_batch([(6, 9), (3, 6)], 3, 6, 48, torch.bfloat16)
+    strided = hidden_states.transpose(0, 1).contiguous().transpose(0, 1)
+    pooled, mask = fused_vision.pool_by_positions(strided, ids.int(), padding, 6, backend=backend)
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 6)
+    assert_bit_identical(mask, expected_mask, "mask")
+    assert_close(pooled, expected, atol=2**-7 * 48**0.5, rtol=2**-7)
+
+
+def test_repeated_runs_are_bit_identical():
+    hidden_states, ids, padding = make_batch([(12, 9), (9, 6)], 3, 12, 64, torch.bfloat16)
+    first = fused_vision.pool_by_positions(hidden_states, ids, padding, 12, backend="triton")
+    for _ in range(2):
+        again = fused_vision.pool_by_positions(hidden_states, ids, padding, 12, backend="triton")
+        assert_bit_identical(again[0], first[0], "pooled")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_no_pooling_mirrors_stock(backend):
+    """N == L: stock skips the pooling and hands back padding_positions itself as the mask."""
+    hidden_states, ids, padding = make_batch([(4, 3), (2, 2)], 1, 12, 16, torch.float32)
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 12, backend=backend)
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 12)
+    assert_bit_identical(pooled, expected)
+    assert_bit_identical(mask, expected_mask, "mask")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "output_length,pattern",
+    [(5, r"Cannot pool 36 patches to 5"), (40, r"Cannot output more soft tokens \(requested 40\)")],
+    ids=["not_divisible", "longer_than_input"],
+)
+def test_lengths_that_do_not_divide(backend, output_length, pattern):
+    hidden_states, ids, padding = make_batch([(6, 6)], 3, 4, 16, torch.float32)
+    with pytest.raises(ValueError, match=pattern):
+        fused_vision.pool_by_positions(hidden_states, ids, padding, output_length, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_positions_beyond_the_slots(backend):
+    hidden_states, ids, padding = make_batch([(6, 6)], 3, 4, 16, torch.float32)
+    ids[0, 0] = torch.tensor([2, 40])  # a y far below the grid: slot 13 of 4
+    with pytest.raises(ValueError, match=r"position_ids: the 3x3 blocks of positions need more than output_length=4"):
+        fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,pattern",
+    [
+        (dict(padding_positions=None), TypeError, r"padding_positions: expected a \(B, N\) bool tensor"),
+        (dict(output_length=0), ValueError, r"output_length: expected a positive int"),
+        (dict(hidden_states=torch.zeros(1, 35, 16)), ValueError, r"hidden_states: expected shape \(B, N, D\)"),
+    ],
+    ids=["no_padding", "zero_length", "hidden_shape"],
+)
+def test_bad_input(kwargs, error, pattern):
+    hidden_states, ids, padding = make_batch([(6, 6)], 3, 4, 16, torch.float32)
+    args = dict(hidden_states=hidden_states, position_ids=ids, padding_positions=padding, output_length=4)
+    args.update({k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})
+    with pytest.raises(error, match=pattern):
+        fused_vision.pool_by_positions(**args)
