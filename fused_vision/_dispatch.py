@@ -41,9 +41,13 @@ def triton_drives(device: torch.device) -> bool:
     return device.type in _TRITON_DEVICE_TYPES or (device.type == "cpu" and triton_interpreting())
 
 
-def _requested(backend: str) -> str:
+def check_backend(backend: str) -> None:
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+
+
+def _requested(backend: str) -> str:
+    check_backend(backend)
     if backend != "auto":
         return backend
     forced = os.environ.get(ENV_BACKEND, "").strip().lower()
@@ -67,6 +71,15 @@ def resolve_backend(backend: str, device: torch.device) -> str:
             f"backend='triton': {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
         )
     return "reference"
+
+
+def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
+    """Whether a call must go through its registered torch.library op: under torch.compile, or when
+    autograd will record it. Plain eager inference skips the dispatcher's overhead and calls the
+    implementation directly."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, reference_fn: Callable, *args):

@@ -3,14 +3,71 @@
 import torch
 
 from . import reference
-from ._dispatch import dispatch
-from ._validation import check_patch_embed_inputs
+from ._dispatch import check_backend, dispatch, through_dispatcher
+from ._validation import check_patch_embed_inputs, check_position_ids_range
+from .position_embedding import table_grad
 
 
 def _triton(pixel_values, weight, table, position_ids, padding_positions):
     from .kernels.patch_embed import patch_embed as launch
 
     return launch(pixel_values, weight, table, position_ids, padding_positions)
+
+
+def _forward(pixel_values, weight, table, position_ids, padding_positions, backend):
+    check_position_ids_range(position_ids, table.shape[1])
+    return dispatch(
+        "patch_embed",
+        backend,
+        weight.device,
+        _triton,
+        reference.patch_embed,
+        pixel_values,
+        weight,
+        table,
+        position_ids,
+        padding_positions,
+    )
+
+
+@torch.library.custom_op("fused_vision::patch_embed", mutates_args=())
+def _patch_embed_op(
+    pixel_values: torch.Tensor,
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    backend: str,
+) -> torch.Tensor:
+    return _forward(pixel_values, weight, table, position_ids, padding_positions, backend)
+
+
+@_patch_embed_op.register_fake
+def _(pixel_values, weight, table, position_ids, padding_positions, backend):
+    return weight.new_empty((*pixel_values.shape[:2], weight.shape[0]))
+
+
+def _setup_context(ctx, inputs, output):
+    pixel_values, weight, table, position_ids, padding_positions, backend = inputs
+    ctx.save_for_backward(pixel_values, weight, position_ids, padding_positions)
+    ctx.num_positions, ctx.backend = table.shape[1], backend
+
+
+def _backward(ctx, grad):
+    """Stock autograd's formulas: the projection's input is recomputed rather than kept from the forward."""
+    pixel_values, weight, position_ids, padding_positions = ctx.saved_tensors
+    grad_pixels = grad_weight = grad_table = None
+    if ctx.needs_input_grad[0]:
+        grad_pixels = (grad @ weight).to(pixel_values.dtype) * 2
+    if ctx.needs_input_grad[1]:
+        projected = (2 * (pixel_values - 0.5)).to(weight.dtype)
+        grad_weight = grad.flatten(0, 1).t() @ projected.flatten(0, 1)
+    if ctx.needs_input_grad[2]:
+        grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, weight.dtype, ctx.backend)
+    return grad_pixels, grad_weight, grad_table, None, None, None
+
+
+_patch_embed_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def patch_embed(
@@ -32,20 +89,13 @@ def patch_embed(
 
     Returns:
         (B, N, D) in the weight's dtype. Padding rows hold what stock writes there: the projection of
-        their (prescaled) pixels, with no position embedding added.
+        their (prescaled) pixels, with no position embedding added. Differentiable in all three
+        floating inputs; the pixels' gradient is computed only when they require one.
     """
     check_patch_embed_inputs(pixel_values, weight, table, position_ids, padding_positions)
+    check_backend(backend)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
-    return dispatch(
-        "patch_embed",
-        backend,
-        weight.device,
-        _triton,
-        reference.patch_embed,
-        pixel_values,
-        weight,
-        table,
-        position_ids,
-        padding_positions,
-    )
+    if through_dispatcher(pixel_values, weight, table):
+        return _patch_embed_op(pixel_values, weight, table, position_ids, padding_positions, backend)
+    return _forward(pixel_values, weight, table, position_ids, padding_positions, backend)

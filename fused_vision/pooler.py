@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._dispatch import dispatch
+from ._dispatch import check_backend, dispatch, through_dispatcher
 from ._validation import check_pool_inputs
 
 
@@ -18,6 +18,61 @@ def _triton(hidden_states, position_ids, padding_positions, output_length):
     if overflow.any():  # one device-to-host sync, as the reference's own check
         raise reference.slot_overflow_error(k, output_length)
     return pooled, mask
+
+
+def _forward(hidden_states, position_ids, padding_positions, output_length, backend):
+    return dispatch(
+        "pool_by_positions",
+        backend,
+        hidden_states.device,
+        _triton,
+        reference.pool_by_positions,
+        hidden_states,
+        position_ids,
+        padding_positions,
+        output_length,
+    )
+
+
+@torch.library.custom_op("fused_vision::pool_by_positions", mutates_args=())
+def _pool_by_positions_op(
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length: int,
+    backend: str,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    pooled, mask = _forward(hidden_states, position_ids, padding_positions, output_length, backend)
+    # A custom op may not return one of its inputs, which is stock's mask when N == L.
+    return pooled, mask.clone() if mask is padding_positions else mask
+
+
+@_pool_by_positions_op.register_fake
+def _(hidden_states, position_ids, padding_positions, output_length, backend):
+    batch, _, hidden = hidden_states.shape
+    pooled = hidden_states.new_empty((batch, output_length, hidden), dtype=torch.float32)
+    return pooled, padding_positions.new_empty((batch, output_length))
+
+
+def _setup_context(ctx, inputs, output):
+    hidden_states, position_ids, padding_positions, output_length, backend = inputs
+    ctx.save_for_backward(position_ids, padding_positions)
+    ctx.output_length, ctx.hidden_dtype = output_length, hidden_states.dtype
+
+
+def _backward(ctx, grad_pooled, grad_mask):
+    """Stock autograd's chain: the fp32 scale, the two dtype casts, the 1/k^2 weights, the masked_fill."""
+    position_ids, padding_positions = ctx.saved_tensors
+    seq_len, hidden = position_ids.shape[1], grad_pooled.shape[2]
+    grad = (grad_pooled * hidden**0.5).to(ctx.hidden_dtype)
+    if seq_len != ctx.output_length:
+        k = reference.pooling_kernel_size(seq_len, ctx.output_length)
+        slots = reference.pooling_slots(position_ids, k).unsqueeze(-1).expand(-1, -1, hidden)
+        grad = (grad.float().gather(1, slots) * (1.0 / (k * k))).to(ctx.hidden_dtype)
+    return grad.masked_fill(padding_positions.unsqueeze(-1), 0.0), None, None, None, None
+
+
+_pool_by_positions_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def pool_by_positions(
@@ -39,19 +94,12 @@ def pool_by_positions(
         ``(pooled, mask)``: (B, L, D) float32 averages rounded through the hidden dtype and scaled by
         sqrt(D) in fp32 (transformers 5.10+; cast to the hidden dtype for 5.5-5.9's semantics), and the
         (B, L) bool mask of slots that received a patch. When N == L the mask is ``padding_positions``
-        itself, as stock returns it.
+        (a copy of it when autograd or torch.compile is involved), as stock returns it.
+        Differentiable in ``hidden_states``.
     """
     check_pool_inputs(hidden_states, position_ids, padding_positions, output_length)
-    seq_len = hidden_states.shape[1]
-    reference.pooling_kernel_size(seq_len, output_length)  # stock's errors for lengths that do not divide
-    return dispatch(
-        "pool_by_positions",
-        backend,
-        hidden_states.device,
-        _triton,
-        reference.pool_by_positions,
-        hidden_states,
-        position_ids,
-        padding_positions,
-        output_length,
-    )
+    check_backend(backend)
+    reference.pooling_kernel_size(hidden_states.shape[1], output_length)  # stock's errors for lengths that do not divide
+    if through_dispatcher(hidden_states):
+        return _pool_by_positions_op(hidden_states, position_ids, padding_positions, output_length, backend)
+    return _forward(hidden_states, position_ids, padding_positions, output_length, backend)

@@ -1,10 +1,10 @@
-"""The public 2-D position-embedding lookup: validation, then the Triton kernel or the reference."""
+"""The public 2-D position-embedding lookup: validation, dispatch, autograd and torch.library registration."""
 
 import torch
 
 from . import reference
-from ._dispatch import dispatch
-from ._validation import check_position_inputs
+from ._dispatch import check_backend, dispatch, through_dispatcher
+from ._validation import check_position_ids_range, check_position_inputs
 
 
 def _triton(table, position_ids, padding_positions, residual):
@@ -15,6 +15,86 @@ def _triton(table, position_ids, padding_positions, residual):
 
 def _reference(table, position_ids, padding_positions, residual):
     return reference.position_embeddings(table, position_ids, padding_positions, residual=residual)
+
+
+def _forward(table, position_ids, padding_positions, residual, backend):
+    check_position_ids_range(position_ids, table.shape[1])
+    return dispatch(
+        "position_embeddings", backend, table.device, _triton, _reference, table, position_ids, padding_positions, residual
+    )
+
+
+@torch.library.custom_op("fused_vision::position_embeddings", mutates_args=())
+def _position_embeddings_op(
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    residual: torch.Tensor | None,
+    backend: str,
+) -> torch.Tensor:
+    return _forward(table, position_ids, padding_positions, residual, backend)
+
+
+@_position_embeddings_op.register_fake
+def _(table, position_ids, padding_positions, residual, backend):
+    return table.new_empty((*position_ids.shape[:2], table.shape[2]))
+
+
+def _triton_table_grad(grad, position_ids, padding_positions, num_positions):
+    from .kernels.position_embedding import table_grad as launch
+
+    return launch(grad, position_ids, padding_positions, num_positions)
+
+
+@torch.library.custom_op("fused_vision::position_embeddings_table_grad", mutates_args=())
+def table_grad(
+    grad: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    num_positions: int,
+    dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """Gradient of the lookup's (2, P, D) table, accumulated in fp32 and returned in ``dtype``.
+
+    The Triton path adds with fp32 atomics (run-to-run order may differ); with
+    ``torch.use_deterministic_algorithms(True)`` the deterministic scatter of the reference is used.
+    """
+    args = (grad, position_ids, padding_positions, num_positions)
+    if torch.are_deterministic_algorithms_enabled():
+        return reference.position_embeddings_table_grad(*args).to(dtype)
+    return dispatch(
+        "position_embeddings_table_grad",
+        backend,
+        grad.device,
+        _triton_table_grad,
+        reference.position_embeddings_table_grad,
+        *args,
+    ).to(dtype)
+
+
+@table_grad.register_fake
+def _(grad, position_ids, padding_positions, num_positions, dtype, backend):
+    return grad.new_empty((2, num_positions, grad.shape[2]), dtype=dtype)
+
+
+def _setup_context(ctx, inputs, output):
+    table, position_ids, padding_positions, residual, backend = inputs
+    ctx.save_for_backward(position_ids, padding_positions)
+    ctx.num_positions, ctx.table_dtype, ctx.backend = table.shape[1], table.dtype, backend
+
+
+def _backward(ctx, grad):
+    position_ids, padding_positions = ctx.saved_tensors
+    grad_table = grad_residual = None
+    if ctx.needs_input_grad[0]:
+        grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, ctx.table_dtype, ctx.backend)
+    if ctx.needs_input_grad[3]:
+        grad_residual = grad
+    return grad_table, None, None, grad_residual, None
+
+
+_position_embeddings_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def position_embeddings(
@@ -37,11 +117,12 @@ def position_embeddings(
 
     Returns:
         A new (B, N, D) tensor in the table's dtype, bit-identical to the one-hot formulation.
-        Padding rows hold 0 (or the residual row).
+        Padding rows hold 0 (or the residual row). Differentiable in ``table`` and ``residual``.
     """
     check_position_inputs(table, position_ids, padding_positions, residual)
+    check_backend(backend)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
-    return dispatch(
-        "position_embeddings", backend, table.device, _triton, _reference, table, position_ids, padding_positions, residual
-    )
+    if through_dispatcher(table, residual):
+        return _position_embeddings_op(table, position_ids, padding_positions, residual, backend)
+    return _forward(table, position_ids, padding_positions, residual, backend)

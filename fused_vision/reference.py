@@ -131,3 +131,19 @@ def pool_by_positions(
     counts = torch.zeros(batch, output_length, dtype=torch.int32, device=hidden_states.device)
     counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
     return pooled.float() * hidden**0.5, counts > 0
+
+
+def position_embeddings_table_grad(
+    grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
+) -> torch.Tensor:
+    """fp32 (2, P, D) gradient of the lookup's table: non-padding rows scatter-added into [axis, id].
+
+    ``index_put_(accumulate=True)`` is deterministic on every device when deterministic algorithms
+    are enabled, so this is also the deterministic path behind the Triton backend.
+    """
+    clamped = position_ids.clamp(min=0)
+    grad = grad.float().masked_fill(padding_positions.unsqueeze(-1), 0.0).flatten(0, 1)
+    acc = grad.new_zeros((2, num_positions, grad.shape[-1]))
+    acc[0].index_put_((clamped[..., 0].flatten(),), grad, accumulate=True)
+    acc[1].index_put_((clamped[..., 1].flatten(),), grad, accumulate=True)
+    return acc

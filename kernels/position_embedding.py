@@ -1,4 +1,5 @@
-"""Gemma 4's 2-D position-embedding lookup as a gather: no one-hot, one pass, one store.
+"""Gemma 4's 2-D position-embedding lookup as a gather (no one-hot, one pass, one store), and its
+table gradient as a scatter-add.
 
 out[b, n] = round(residual[b, n] + round(table[0, x] + table[1, y]))   (residual optional)
 
@@ -169,3 +170,77 @@ def position_embeddings(
         num_warps=num_warps,
     )
     return out
+
+
+@triton.jit
+def _table_grad_kernel(
+    grad_ptr,
+    ids_ptr,
+    padding_ptr,
+    acc_ptr,
+    num_rows,
+    seq_len,
+    num_positions,
+    hidden,
+    stride_grad_b,
+    stride_grad_n,
+    stride_grad_d,
+    stride_ids_b,
+    stride_ids_n,
+    stride_ids_axis,
+    stride_padding_b,
+    stride_padding_n,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """acc[0, x] += grad[row] and acc[1, y] += grad[row] for every non-padding row, in fp32 atomics."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_in = rows < num_rows
+    col_in = cols < hidden
+    batch = rows // seq_len
+    patch = rows % seq_len
+    x, y, padding = load_positions(
+        ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+    )
+    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
+    scatter = (row_in & ~padding & ids_valid)[:, None] & col_in[None, :]
+    grad = tl.load(
+        grad_ptr + batch[:, None] * stride_grad_b + patch[:, None] * stride_grad_n + cols[None, :] * stride_grad_d,
+        mask=scatter,
+        other=0.0,
+    ).to(tl.float32)
+    x_rows = acc_ptr + tl.maximum(x, 0)[:, None] * hidden + cols[None, :]
+    y_rows = acc_ptr + (num_positions + tl.maximum(y, 0))[:, None] * hidden + cols[None, :]
+    tl.atomic_add(x_rows, grad, mask=scatter, sem="relaxed")
+    tl.atomic_add(y_rows, grad, mask=scatter, sem="relaxed")
+
+
+def table_grad(
+    grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
+) -> torch.Tensor:
+    """The fp32 (2, P, D) gradient of the lookup's table; the order of the atomic adds is not fixed."""
+    batch, seq_len, hidden = grad.shape
+    acc = torch.zeros((2, num_positions, hidden), dtype=torch.float32, device=grad.device)
+    num_rows = batch * seq_len
+    if num_rows == 0 or hidden == 0:
+        return acc
+    block_rows, block_d, num_warps = _launch_config(num_rows, hidden)
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
+    _table_grad_kernel[grid](
+        grad,
+        position_ids,
+        padding_positions.view(torch.uint8),
+        acc,
+        num_rows,
+        seq_len,
+        num_positions,
+        hidden,
+        *grad.stride(),
+        *position_ids.stride(),
+        *padding_positions.stride(),
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return acc

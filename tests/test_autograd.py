@@ -1,0 +1,171 @@
+"""Gradients of every fused op against autograd through the stock formulation, torch.library checks,
+and torch.compile(fullgraph=True)."""
+
+import pytest
+import torch
+
+import fused_vision
+from fused_vision import reference
+
+from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from test_patch_embed import make_inputs
+from test_pooler import make_batch
+from test_position_embeddings import make_ids
+
+BACKENDS = ["triton", "reference"]
+# Gradients are sums of many terms: fp32 agrees to rounding, bf16 to a few units in its last place.
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2**-6}
+GRAD_DTYPES = [torch.float32, torch.bfloat16]
+
+
+def grads(fn, inputs, grad_out):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad_out)
+    return out.detach(), [t.grad for t in inputs]
+
+
+def compare(actual, expected, dtype, names):
+    tol = TOLERANCE[dtype]
+    for name, a, e in zip(names, actual, expected):
+        assert_close(a.float(), e.float(), atol=tol, rtol=tol, what=f"grad of {name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
+def test_position_embeddings_backward(backend, dtype):
+    table = torch.randn(2, 23, 40, device=DEVICE).to(dtype)
+    residual = torch.randn(3, 31, 40, device=DEVICE).to(dtype)
+    ids = make_ids(3, 31, 23, padded_tail=5, half_padded=2).to(DEVICE)  # few ids: many rows share a table row
+    padding = reference.default_padding_positions(ids)
+    grad_out = torch.randn(3, 31, 40, device=DEVICE).to(dtype)
+
+    def fused(t, r):
+        return fused_vision.position_embeddings(t, ids, residual=r, backend=backend)
+
+    def stock(t, r):
+        return r + reference.onehot_position_embeddings(t, ids, padding)
+
+    out, actual = grads(fused, [table, residual], grad_out)
+    expected_out, expected = grads(stock, [table, residual], grad_out)
+    assert_bit_identical(out, expected_out)
+    compare(actual, expected, dtype, ["table", "residual"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
+def test_patch_embed_backward(backend, dtype):
+    pixels, weight, table, ids = make_inputs(2, 29, 48, 40, 30, dtype, torch.float32, 5)
+    grad_out = torch.randn(2, 29, 40, device=DEVICE).to(dtype)
+
+    def fused(p, w, t):
+        return fused_vision.patch_embed(p, w, t, ids, backend=backend)
+
+    def stock(p, w, t):
+        return reference.patch_embed(p, w, t, ids)
+
+    _, actual = grads(fused, [pixels, weight, table], grad_out)
+    _, expected = grads(stock, [pixels, weight, table], grad_out)
+    compare(actual, expected, dtype, ["pixel_values", "weight", "table"])
+
+
+def test_patch_embed_skips_the_pixel_gradient_unless_asked():
+    pixels, weight, table, ids = make_inputs(2, 9, 48, 16, 30, torch.float32, torch.float32, 2)
+    weight.requires_grad_(True)
+    fused_vision.patch_embed(pixels, weight, table, ids).sum().backward()
+    assert pixels.grad is None and table.grad is None and weight.grad is not None
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("k,output_length", [(3, 12), (1, 108)], ids=["k3", "no_pooling"])
+def test_pool_by_positions_backward(backend, dtype, k, output_length):
+    hidden_states, ids, padding = make_batch([(12, 9), (6, 6)], k, output_length, 40, dtype, shuffle=True)
+    grad_out = torch.randn(2, output_length, 40, device=DEVICE)
+
+    def fused(h):
+        return fused_vision.pool_by_positions(h, ids, padding, output_length, backend=backend)
+
+    def stock(h):
+        return reference.onehot_pool_by_positions(h, ids, padding, output_length)
+
+    _, actual = grads(fused, [hidden_states], grad_out)
+    _, expected = grads(stock, [hidden_states], grad_out)
+    compare(actual, expected, dtype, ["hidden_states"])
+
+
+def test_deterministic_table_gradient_is_reproducible():
+    table = torch.randn(2, 7, 64, device=DEVICE, requires_grad=True)  # 7 ids: heavy collisions
+    ids = make_ids(4, 50, 7).to(DEVICE)
+    grad_out = torch.randn(4, 50, 64, device=DEVICE)
+    torch.use_deterministic_algorithms(True)
+    try:
+        results = []
+        for _ in range(2):
+            table.grad = None
+            fused_vision.position_embeddings(table, ids).backward(grad_out)
+            results.append(table.grad.clone())
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert_bit_identical(results[1], results[0], "table gradient")
+
+
+def test_reference_formulations_pass_gradcheck():
+    """float64 gradcheck of the lookup and embedder formulations the fused backward formulas are compared
+    with. (The stock pooler computes in fp32 whatever its input, so it has no float64 form to check.)"""
+    ids = make_ids(2, 7, 5, padded_tail=2, half_padded=1)
+    table = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: reference.position_embeddings(t, ids), (table,))
+    pixels = torch.rand(2, 7, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda p, w, t: reference.patch_embed(p, w, t, ids), (pixels, weight, table))
+
+
+def op_samples():
+    table = torch.randn(2, 20, 24, device=DEVICE, requires_grad=True)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    padding = reference.default_padding_positions(ids)
+    residual = torch.randn(2, 11, 24, device=DEVICE, requires_grad=True)
+    pixels, weight, ptable, pids = make_inputs(2, 11, 48, 24, 20, torch.float32, torch.float32, 3)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 24, torch.float32)
+    return [
+        ("position_embeddings", (table, ids, padding, residual, "auto")),
+        ("position_embeddings", (table, ids, padding, None, "reference")),
+        ("patch_embed", (pixels.requires_grad_(True), weight.requires_grad_(True), ptable.requires_grad_(True), pids,
+                         reference.default_padding_positions(pids), "auto")),
+        ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, "auto")),
+        ("position_embeddings_table_grad", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
+    ]
+
+
+@pytest.mark.parametrize("name,args", op_samples(), ids=lambda v: v if isinstance(v, str) else "")
+def test_opcheck(name, args):
+    torch.library.opcheck(getattr(torch.ops.fused_vision, name).default, args)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_forward_and_backward(backend):
+    pixels, weight, table, ids = make_inputs(2, 36, 48, 24, 20, torch.float32, torch.float32, 9)
+    weight.requires_grad_(True)
+    table.requires_grad_(True)
+    pool_ids = torch.stack([torch.stack(torch.meshgrid(torch.arange(6), torch.arange(6), indexing="xy"), -1).flatten(0, 1)] * 2)
+    pool_ids[:, 27:] = -1
+
+    def stem(pixel_values, weight, table):
+        padding = reference.default_padding_positions(pool_ids)
+        embedded = fused_vision.patch_embed(pixel_values, weight, table, pool_ids, padding)
+        embedded = fused_vision.position_embeddings(table, pool_ids, padding, residual=embedded)
+        pooled, mask = fused_vision.pool_by_positions(embedded, pool_ids, padding, 4)
+        return pooled.sum()
+
+    compiled = torch.compile(stem, fullgraph=True, backend=backend)
+    loss = compiled(pixels, weight, table)
+    loss.backward()
+    compiled_grads = [weight.grad.clone(), table.grad.clone()]
+    weight.grad = table.grad = None
+    eager_loss = stem(pixels, weight, table)
+    eager_loss.backward()
+    assert_close(loss, eager_loss, atol=1e-4, rtol=1e-5)
+    for name, c, e in zip(["weight", "table"], compiled_grads, [weight.grad, table.grad]):
+        assert_close(c, e, atol=1e-4, rtol=1e-5, what=f"compiled grad of {name}")
