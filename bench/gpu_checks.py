@@ -1,0 +1,162 @@
+"""Correctness of the fused ops at real Gemma 4 shapes on a CUDA GPU (issues 2, 5, 6).
+
+    python bench/gpu_checks.py --out DIR
+
+- the lookup at B=32, N=2520, D=1152, P=10240 against the one-hot, bit for bit, in bf16, fp16, fp32;
+- the lookup with an output of more than 2**31 elements (int64 offsets) against the gather reference;
+- patch_embed's relative error against float64, next to stock's, in bf16, fp16, fp32;
+- the pooler against the one-hot pooler at image 32 x 280, and its run-to-run bit-identity;
+- the table gradient against the deterministic reference.
+Exits non-zero when any check fails; writes gpu_checks.json under --out. `--smoke` runs the same code at
+tiny sizes on any device (TRITON_INTERPRET=1 on a CPU), to test the script itself.
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+import fused_vision
+from fused_vision import reference
+
+P, K = 10240, 768
+BATCH = 32  # --smoke lowers it
+
+
+def image_ids(batch, soft_tokens, k=3, generator=None):
+    """Ids as Gemma 4's processor makes them: a row-major grid of k*k*soft_tokens patches or fewer, then
+    (-1, -1) padding. Widths vary per item so some items carry padding."""
+    seq_len = k * k * soft_tokens
+    ids = torch.full((batch, seq_len, 2), -1, dtype=torch.int64)
+    for item in range(batch):
+        width_slots = int(torch.randint(4, 2 * int(soft_tokens**0.5), (1,), generator=generator))
+        height_slots = max(1, soft_tokens // width_slots)
+        ys, xs = torch.meshgrid(torch.arange(k * height_slots), torch.arange(k * width_slots), indexing="ij")
+        grid = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+        ids[item, : len(grid)] = grid
+    return ids
+
+
+def bits_equal(a, b):
+    view = {2: torch.int16, 4: torch.int32}[a.element_size()]
+    return bool(torch.equal(a.view(view), b.view(view)))
+
+
+def relative_error(actual, exact):
+    return float((actual.double() - exact).norm() / exact.norm())
+
+
+def check_lookup_real_shape(device, results):
+    ids = image_ids(BATCH, 280).to(device)
+    padding = reference.default_padding_positions(ids)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        table = torch.randn(2, P, 1152, device=device).to(dtype)
+        residual = torch.randn(BATCH, 2520, 1152, device=device).to(dtype)
+        expected = reference.onehot_position_embeddings(table, ids, padding)
+        actual = fused_vision.position_embeddings(table, ids, backend="triton")
+        with_residual = fused_vision.position_embeddings(table, ids, residual=residual, backend="triton")
+        ok = bits_equal(actual, expected) and bits_equal(with_residual, residual + expected)
+        results.append(dict(check=f"lookup_bit_identical_B{BATCH}_N2520_D1152", dtype=str(dtype), ok=ok))
+        del expected, actual, with_residual, residual
+
+
+def check_lookup_over_2_31(device, results):
+    batch, seq_len, hidden = (190, 10080, 1152) if BATCH == 32 else (3, 10080, 16)  # 2.21e9 output elements
+    ids = torch.randint(0, 3360, (batch, seq_len, 2), device=device)
+    ids[:, -500:] = -1
+    table = torch.randn(2, P, hidden, device=device, dtype=torch.bfloat16)
+    actual = fused_vision.position_embeddings(table, ids, backend="triton")
+    ok = actual.numel() > 2**31 or BATCH != 32
+    for chunk in range(0, batch, 38):  # the reference in pieces, to keep its temporaries small
+        expected = reference.position_embeddings(table, ids[chunk : chunk + 38])
+        ok = ok and bits_equal(actual[chunk : chunk + 38], expected)
+    results.append(dict(check="lookup_output_over_2^31_elements", numel=actual.numel(), ok=ok))
+
+
+def check_patch_embed(device, results):
+    ids = image_ids(BATCH, 280).to(device)
+    pixels = torch.rand(BATCH, 2520, K, device=device)
+    pixels[(ids == -1).all(-1)] = 0.0
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        weight = (torch.randn(1152, K, device=device) / K**0.5).to(dtype)
+        table = torch.randn(2, P, 1152, device=device).to(dtype)
+        exact = reference.patch_embed(pixels.double(), weight.double(), table.double(), ids)
+        fused = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
+        stock = reference.patch_embed(pixels, weight, table, ids)
+        fused_error, stock_error = relative_error(fused, exact), relative_error(stock, exact)
+        results.append(
+            dict(
+                check=f"patch_embed_error_vs_float64_B{BATCH}_N2520_D1152",
+                dtype=str(dtype),
+                fused_error=fused_error,
+                stock_error=stock_error,
+                ok=fused_error <= 1.5 * stock_error,
+            )
+        )
+        del exact, fused, stock
+
+
+def check_pooler(device, results):
+    ids = image_ids(BATCH, 280).to(device)
+    padding = reference.default_padding_positions(ids)
+    hidden_states = torch.randn(BATCH, 2520, 1152, device=device, dtype=torch.bfloat16)
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 280, backend="triton")
+    again, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 280, backend="triton")
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 280)
+    close = torch.allclose(pooled, expected, atol=2**-7 * 1152**0.5, rtol=2**-7)
+    results.append(
+        dict(
+            check=f"pooler_vs_onehot_B{BATCH}_N2520_D1152_bf16",
+            max_abs_diff=float((pooled - expected).abs().max()),
+            mask_equal=bool(torch.equal(mask, expected_mask)),
+            deterministic=bits_equal(pooled, again),
+            ok=close and bool(torch.equal(mask, expected_mask)) and bits_equal(pooled, again),
+        )
+    )
+
+
+def check_table_grad(device, results):
+    ids = image_ids(BATCH, 280).to(device)
+    table = torch.randn(2, P, 1152, device=device, dtype=torch.bfloat16, requires_grad=True)
+    grad_out = torch.randn(BATCH, 2520, 1152, device=device, dtype=torch.bfloat16)
+    fused_vision.position_embeddings(table, ids, backend="triton").backward(grad_out)
+    fused = table.grad.float()
+    expected = reference.position_embeddings_table_grad(grad_out, ids, reference.default_padding_positions(ids), P)
+    error = float((fused - expected.bfloat16().float()).abs().max() / expected.abs().max())
+    results.append(dict(check="table_grad_vs_reference_bf16", max_rel_diff=error, ok=error < 2**-7))
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_checks.json")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes on any device, to test this script")
+    args = parser.parse_args()
+    global BATCH
+    if args.smoke:
+        BATCH = 1
+    elif not torch.cuda.is_available():
+        sys.exit("gpu_checks: needs a CUDA device (or --smoke)")
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    results = []
+    for check in (check_lookup_real_shape, check_lookup_over_2_31, check_patch_embed, check_pooler, check_table_grad):
+        start = time.perf_counter()
+        check(device, results)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+        print(f"{check.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
+    for row in results:
+        print(("PASS " if row["ok"] else "FAIL ") + json.dumps(row), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    environment = dict(device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu", torch=torch.__version__, fused_vision=fused_vision.__version__)
+    with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
+        json.dump(dict(environment=environment, results=results), f, indent=1)
+    sys.exit(0 if all(row["ok"] for row in results) else 1)
+
+
+if __name__ == "__main__":
+    main()
