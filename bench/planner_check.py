@@ -1,0 +1,231 @@
+"""Check fused_vision.planner's memory model against real forwards of Gemma 4's vision tower (issue #3).
+
+Builds the 26B/31B vision tower from its config with random weights (nothing is downloaded), runs
+forwards for images (280 soft tokens, 2520 patches) and video frames (70 soft tokens, 630 patches)
+at several chunk sizes, and compares the peak memory each forward adds with the planner's per-item
+transient times the chunk. Every prediction must be an upper bound within 25 % of the measured peak;
+the script exits 1 otherwise.
+
+    python bench/planner_check.py                        # CUDA: torch.cuda.max_memory_allocated
+    python bench/planner_check.py --device cpu --tiny    # a small tower, live tensors tracked on the CPU
+
+Results go to --out (default $OUT, else bench/out) as planner_check.csv and planner_check.json. Needs
+fused_vision importable (``pip install --no-deps --no-build-isolation -e .``) and transformers >= 5.10.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import os
+import sys
+import weakref
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
+
+from fused_vision.planner import transient_bytes_per_item
+
+TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
+
+# Shapes of SPEC §2. The tiny tower keeps the real one's ratios (I ≈ 3.7·D, heads·head_dim = D) with a
+# patch small enough that, as at full size, the encoder layers rather than the pixel prescale peak.
+GEMMA4_26B_31B = dict(
+    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
+    num_key_value_heads=16, head_dim=72, position_embedding_size=10240, patch_size=16,
+    pooling_kernel_size=3, use_clipped_linears=False, standardize=True,
+)
+TINY = dict(
+    hidden_size=96, intermediate_size=360, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=4, head_dim=24, position_embedding_size=64, patch_size=4,
+    pooling_kernel_size=3, use_clipped_linears=False, standardize=True,
+)
+# (kind, soft tokens per item, chunk sizes): full size, then tiny.
+CASES = {
+    False: [("image", 280, (1, 4, 16)), ("frame", 70, (4, 32))],
+    True: [("image", 40, (1, 4, 16)), ("frame", 10, (4, 32))],
+}
+
+
+def vision_config(shape: dict, attn_implementation: str = "sdpa", **overrides) -> Gemma4VisionConfig:
+    return Gemma4VisionConfig(**{**shape, **overrides}, attn_implementation=attn_implementation)
+
+
+def build_model(config: Gemma4VisionConfig, device: torch.device | str, dtype: torch.dtype) -> Gemma4VisionModel:
+    """A Gemma4VisionModel with random weights, built directly on ``device``."""
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Gemma4VisionModel(config)
+    return model.to(dtype).eval()
+
+
+def make_inputs(config: Gemma4VisionConfig, batch: int, soft_tokens: int, device: torch.device | str):
+    """Processor-like inputs: float32 pixels in [0, 1] and (x, y) ids, each item padded to N patches.
+
+    The grid of soft tokens leaves part of N unused, as most aspect ratios do, so the tower builds
+    its attention mask (the case the planner prices).
+    """
+    k = config.pooling_kernel_size
+    patches = soft_tokens * k * k
+    rows = math.isqrt(soft_tokens)
+    cols = (soft_tokens - 1) // rows  # rows·cols < soft_tokens
+    ys, xs = torch.meshgrid(torch.arange(rows * k), torch.arange(cols * k), indexing="ij")
+    position_ids = torch.full((batch, patches, 2), -1, dtype=torch.long)
+    position_ids[:, : xs.numel()] = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    pixel_values = torch.rand(batch, patches, 3 * config.patch_size**2)
+    pixel_values[:, xs.numel() :] = 0
+    return pixel_values.to(device), position_ids.to(device)
+
+
+class LiveTensorBytes(TorchDispatchMode):
+    """Peak bytes of tensor storage created by the ops run under this mode and still alive.
+
+    Storages that exist beforehand (weights, inputs) and views of them are not counted. Scratch
+    memory inside a single aten kernel is invisible; run under torch.no_grad rather than
+    inference_mode so composite ops (sdpa, matmul, softmax with dtype) decompose and their
+    temporaries are seen.
+    """
+
+    def __init__(self, existing: list[torch.Tensor]):
+        super().__init__()
+        self._existing = {t.untyped_storage().data_ptr() for t in existing}
+        self._alive: set[int] = set()
+        self.live = 0
+        self.peak = 0
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._alive.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if key in self._existing or key in self._alive or storage.nbytes() == 0:
+                continue
+            self._alive.add(key)
+            self.live += storage.nbytes()
+            weakref.finalize(storage, self._freed, key, storage.nbytes())
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+def measure_peak(model, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> int:
+    """Bytes one forward adds at its peak over what was allocated before it (weights, inputs)."""
+    if pixel_values.device.type == "cuda":
+        with torch.inference_mode():
+            # Warm up: the cuBLAS workspace is allocated once per process, not per forward.
+            model(pixel_values=pixel_values, pixel_position_ids=position_ids)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        with torch.inference_mode():
+            output = model(pixel_values=pixel_values, pixel_position_ids=position_ids)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - before
+        del output
+        return peak
+    existing = [*model.parameters(), *model.buffers(), pixel_values, position_ids]
+    with torch.no_grad(), LiveTensorBytes(existing) as tracker:
+        model(pixel_values=pixel_values, pixel_position_ids=position_ids)
+    return tracker.peak
+
+
+@dataclass
+class Row:
+    kind: str
+    patches_per_item: int
+    items: int
+    measured_bytes: int
+    predicted_bytes: int
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_bytes / self.measured_bytes
+
+    @property
+    def ok(self) -> bool:
+        return self.measured_bytes <= self.predicted_bytes <= (1 + TOLERANCE) * self.measured_bytes
+
+
+def check(config: Gemma4VisionConfig, cases, device: torch.device, dtype: torch.dtype) -> list[Row]:
+    model = build_model(config, device, dtype)
+    rows = []
+    for kind, soft_tokens, chunks in cases:
+        for items in chunks:
+            pixel_values, position_ids = make_inputs(config, items, soft_tokens, device)
+            patches = pixel_values.shape[1]
+            per_item = transient_bytes_per_item(patches, config, dtype=dtype)
+            measured = measure_peak(model, pixel_values, position_ids)
+            rows.append(Row(kind, patches, items, measured, per_item * items))
+    return rows
+
+
+def write_results(rows: list[Row], out_dir: Path, meta: dict) -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    records = [{**asdict(row), "ratio": round(row.ratio, 4), "ok": row.ok} for row in rows]
+    with open(out_dir / "planner_check.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    (out_dir / "planner_check.json").write_text(json.dumps({**meta, "rows": records}, indent=2) + "\n")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--tiny", action="store_true", help="a small tower with the real one's proportions")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attn_implementation")
+    default_out = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "out")
+    parser.add_argument("--out", type=Path, default=Path(default_out), help="results directory (default: $OUT)")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if device.type not in ("cuda", "cpu"):
+        raise SystemExit(f"--device: expected cuda or cpu, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny)")
+    dtype = getattr(torch, args.dtype)
+    config = vision_config(TINY if args.tiny else GEMMA4_26B_31B, args.attn)
+    rows = check(config, CASES[args.tiny], device, dtype)
+
+    print(f"{'kind':<6} {'N':>5} {'items':>5} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
+    for row in rows:
+        print(
+            f"{row.kind:<6} {row.patches_per_item:>5} {row.items:>5} {row.measured_bytes / 2**20:>13.1f} "
+            f"{row.predicted_bytes / 2**20:>14.1f} {row.ratio:>6.3f}{'' if row.ok else '  FAIL'}"
+        )
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "tower": "tiny" if args.tiny else "gemma4-26b/31b",
+        "dtype": args.dtype,
+        "attn_implementation": args.attn,
+        "tolerance": TOLERANCE,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
+    write_results(rows, args.out, meta)
+    failed = [row for row in rows if not row.ok]
+    if failed:
+        print(f"{len(failed)} of {len(rows)} predictions not an upper bound within {TOLERANCE:.0%}", file=sys.stderr)
+        return 1
+    print(f"all {len(rows)} predictions are upper bounds within {TOLERANCE:.0%}; results in {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
