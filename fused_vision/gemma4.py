@@ -1,0 +1,530 @@
+"""fused_vision inside transformers' Gemma 4 vision tower: a one-line patcher and a batched encoder.
+
+    from fused_vision.gemma4 import apply_fused_vision_to_gemma4, encode_images
+
+    apply_fused_vision_to_gemma4()        # the classes: every Gemma 4 tower built from now on, vLLM's included
+    apply_fused_vision_to_gemma4(model)   # the instances inside a model that is already loaded
+
+Both transformers families are supported: 5.5-5.9 (one-hot lookup, the pooler returns the hidden dtype)
+and 5.10+ (``F.embedding`` lookup, the pooler returns float32 and the tower standardizes in float32). The
+family is told from the stock code itself, never from a version string, and each patched module keeps
+its family's semantics: the lookup is bit-identical, the pooler equal up to fp32 summation order.
+
+A patched module runs stock code whenever the fused op cannot take its inputs or would round
+differently (float64; a quantized or hooked ``input_proj`` or autocast keep the embedder to the fused
+lookup alone; the pooler under autocast is stock). The ops are differentiable, so a patched tower
+trains with stock's gradients.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import logging
+import types
+import weakref
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ._dispatch import BACKENDS
+from ._validation import FLOAT_DTYPES, INDEX_DTYPES
+from .patch_embed import patch_embed as _fused_patch_embed
+from .pooler import pool_by_positions as _fused_pool_by_positions
+from .position_embedding import position_embeddings as _fused_position_embeddings
+
+__all__ = ["apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "encode_images"]
+
+logger = logging.getLogger("fused_vision")
+
+_MISSING = object()
+_STATE = "_fused_vision"  # the _Fused a module (or a patched class) runs with; None pins a module to stock
+_SAVED = "_fused_vision_saved"  # on a patched instance: its own attributes before the patch
+_CLASS_ORIGINALS: dict[type, dict[str, object]] = {}  # patched class -> its attributes before the patch
+_PATCHED_INSTANCES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Fused:
+    op: str  # "patch_embed", "position_embeddings" or "pool_by_positions"
+    backend: str
+    # The release family, told once at patch time so that forwards (and torch.compile) see constants.
+    onehot_lookup: bool = dataclasses.field(default=False, compare=False)
+    pooler_float32: bool = dataclasses.field(default=True, compare=False)
+
+    def __str__(self) -> str:
+        return f"{self.op}(backend={self.backend})"
+
+
+# ---- transformers, located lazily ----------------------------------------------------------------
+
+
+def _modeling():
+    """``transformers.models.gemma4.modeling_gemma4``, with a clear error when it is missing."""
+    try:
+        import transformers
+    except ImportError as exc:
+        raise ImportError(
+            "fused_vision.gemma4 needs transformers>=5.5 with Gemma 4: pip install 'fused-vision[gemma4]'"
+        ) from exc
+    try:
+        modeling_gemma4 = importlib.import_module("transformers.models.gemma4.modeling_gemma4")
+    except ImportError as exc:
+        raise ImportError(
+            f"transformers {getattr(transformers, '__version__', '?')} has no Gemma 4 "
+            "(transformers.models.gemma4.modeling_gemma4); Gemma 4 arrived in transformers 5.5"
+        ) from exc
+    return modeling_gemma4
+
+
+def _stock_attr(cls: type, name: str):
+    """``cls.__dict__[name]`` as transformers defined it, even while the class is patched."""
+    saved = _CLASS_ORIGINALS.get(cls)
+    if saved is not None and name in saved:
+        return saved[name]
+    return cls.__dict__.get(name, _MISSING)
+
+
+def _stock(kind: str, name: str):
+    modeling = _modeling()
+    cls = modeling.Gemma4VisionPatchEmbedder if kind == "embedder" else modeling.Gemma4VisionPooler
+    return _stock_attr(cls, name)
+
+
+@functools.cache
+def _pooler_returns_float32() -> bool:
+    """Whether the stock pooler returns float32 (5.10+) rather than the hidden dtype (5.5-5.9).
+
+    Told by running the stock forward once on a 1-element bfloat16 input, on the CPU.
+    """
+    modeling = _modeling()
+    pooler = modeling.Gemma4VisionPooler(modeling.Gemma4VisionConfig(hidden_size=4))
+    hidden = torch.ones(1, 1, 4, dtype=torch.bfloat16)
+    ids = torch.zeros(1, 1, 2, dtype=torch.long)
+    padding = torch.zeros(1, 1, dtype=torch.bool)
+    with torch.no_grad():
+        pooled, _ = _stock("pooler", "forward")(pooler, hidden, ids, padding, 1)
+    return pooled.dtype == torch.float32
+
+
+@functools.cache
+def _onehot_lookup() -> bool:
+    """Whether the stock lookup is the one-hot matmul of 5.5-5.9 (else the F.embedding of 5.10+)."""
+    lookup = _stock("embedder", "_position_embeddings")
+    return lookup is not _MISSING and "one_hot" in lookup.__code__.co_names
+
+
+# ---- the patched methods ---------------------------------------------------------------------------
+
+
+def _plain_linear(linear: nn.Module) -> bool:
+    """An ``nn.Linear`` whose weight the fused embedder may read directly (no bias, hooks or quantization)."""
+    if not isinstance(linear, nn.Linear) or linear.bias is not None:
+        return False
+    if linear._forward_hooks or linear._forward_pre_hooks or hasattr(linear, "_hf_hook"):
+        return False
+    weight = linear.weight
+    return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype in FLOAT_DTYPES
+
+
+def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=None, *args, **kwargs):
+    """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
+    fused = getattr(self, _STATE, None)
+    table = self.position_embedding_table
+    if (
+        fused is None
+        or args  # arguments of a newer stock signature: let stock handle them
+        or kwargs
+        or table.dtype not in FLOAT_DTYPES
+        or not isinstance(pixel_values, torch.Tensor)
+        or pixel_values.dtype not in FLOAT_DTYPES
+        or not isinstance(pixel_position_ids, torch.Tensor)
+        or pixel_position_ids.dtype not in INDEX_DTYPES
+    ):
+        return _stock("embedder", "forward")(self, pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
+
+    weight = self.input_proj.weight
+    if (
+        fused.op == "patch_embed"
+        and _plain_linear(self.input_proj)
+        and weight.dtype == table.dtype
+        and not torch.is_autocast_enabled(pixel_values.device.type)
+    ):
+        return _fused_patch_embed(
+            pixel_values, weight, table, pixel_position_ids, padding_positions, backend=fused.backend
+        )
+
+    # The lookup alone, fused with the residual add; the projection stays the module's own.
+    pixel_values = 2 * (pixel_values - 0.5)
+    if weight.dtype.is_floating_point:
+        pixel_values = pixel_values.to(weight.dtype)
+    hidden_states = self.input_proj(pixel_values)
+    device_type = hidden_states.device.type
+    if fused.onehot_lookup and torch.is_autocast_enabled(device_type):
+        # 5.5-5.9's one-hot matmul runs in the autocast dtype: its rows come out rounded to it
+        table = table.to(torch.get_autocast_dtype(device_type))
+    backend = fused.backend
+    if hidden_states.dtype == table.dtype:
+        return _fused_position_embeddings(
+            table, pixel_position_ids, padding_positions, residual=hidden_states, backend=backend
+        )
+    # e.g. autocast: keep stock's type promotion of `hidden_states + position_embeddings`
+    return hidden_states + _fused_position_embeddings(table, pixel_position_ids, padding_positions, backend=backend)
+
+
+def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, output_length=None, *args, **kwargs):
+    """``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``, in the release's dtype."""
+    fused = getattr(self, _STATE, None)
+    if (
+        fused is None
+        or args
+        or kwargs
+        or isinstance(output_length, bool)
+        or not isinstance(output_length, int)
+        or not isinstance(hidden_states, torch.Tensor)
+        or hidden_states.dim() != 3
+        or hidden_states.dtype not in FLOAT_DTYPES
+        or hidden_states.shape[-1] != self.hidden_size
+        or output_length < 1
+        or output_length > hidden_states.shape[1]  # stock raises its own error
+        or not isinstance(pixel_position_ids, torch.Tensor)
+        or pixel_position_ids.dtype not in INDEX_DTYPES
+        or not isinstance(padding_positions, torch.Tensor)
+        or padding_positions.dtype != torch.bool
+        or torch.is_autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
+    ):
+        stock = _stock("pooler", "forward")
+        return stock(self, hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)
+    pooled, mask = _fused_pool_by_positions(
+        hidden_states,
+        pixel_position_ids,
+        padding_positions,
+        output_length,
+        backend=fused.backend,
+    )
+    if not fused.pooler_float32:
+        pooled = pooled.to(hidden_states.dtype)  # 5.5-5.9 scale in the hidden dtype: the same rounding
+    return pooled, mask
+
+
+def _gemma_class(module: nn.Module) -> type:
+    modeling = _modeling()
+    if isinstance(module, modeling.Gemma4VisionPatchEmbedder):
+        return modeling.Gemma4VisionPatchEmbedder
+    return modeling.Gemma4VisionPooler
+
+
+def _extra_repr(self) -> str:
+    cls = _gemma_class(self)
+    stock = _stock_attr(cls, "extra_repr")
+    text = stock(self) if stock is not _MISSING else super(cls, self).extra_repr()
+    fused = getattr(self, _STATE, None)
+    if fused is None:
+        return text
+    return f"{text}, fused_vision={fused}" if text else f"fused_vision={fused}"
+
+
+# ---- patching and reverting ---------------------------------------------------------------------
+
+
+def _patch_class(cls: type, forward, fused: _Fused) -> None:
+    saved = _CLASS_ORIGINALS.setdefault(cls, {})
+    for name, value in (("forward", forward), ("extra_repr", _extra_repr), (_STATE, fused)):
+        if name not in saved:
+            saved[name] = cls.__dict__.get(name, _MISSING)
+        setattr(cls, name, value)
+
+
+def _revert_class(cls: type) -> bool:
+    saved = _CLASS_ORIGINALS.pop(cls, None)
+    if saved is None:
+        return False
+    for name, value in saved.items():
+        if value is _MISSING:
+            if name in cls.__dict__:
+                delattr(cls, name)
+        else:
+            setattr(cls, name, value)
+    return True
+
+
+def _forward_slot(module: nn.Module) -> str:
+    """Where the module's forward lives: accelerate's hooks keep the real one in ``_old_forward``."""
+    return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
+
+
+def _patch_instance(module: nn.Module, forward, fused: _Fused) -> None:
+    attrs = module.__dict__
+    if _SAVED not in attrs:
+        names = (_forward_slot(module), "extra_repr", _STATE)
+        attrs[_SAVED] = {name: attrs.get(name, _MISSING) for name in names}
+    slot = next(name for name in attrs[_SAVED] if name in ("forward", "_old_forward"))
+    attrs[slot] = types.MethodType(forward, module)
+    attrs["extra_repr"] = types.MethodType(_extra_repr, module)
+    attrs[_STATE] = fused
+    _PATCHED_INSTANCES.add(module)
+
+
+def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
+    """Undo the module's own patch; True when it was running a fused op (its own or its class's).
+
+    ``pin``: while the class is patched, pin the module to stock code (``_fused_vision = None``);
+    without it, also drop such a pin (the global reset).
+    """
+    attrs = module.__dict__
+    was_fused = getattr(module, _STATE, None) is not None
+    saved = attrs.pop(_SAVED, None)
+    if saved is not None:
+        for name, value in saved.items():
+            if value is _MISSING:
+                attrs.pop(name, None)
+            else:
+                attrs[name] = value
+    if pin and getattr(module, _STATE, None) is not None:
+        attrs[_STATE] = None
+        _PATCHED_INSTANCES.add(module)
+    else:
+        if not pin and _STATE in attrs and attrs[_STATE] is None:
+            del attrs[_STATE]
+        _PATCHED_INSTANCES.discard(module)
+    return was_fused
+
+
+def _targets(modeling, embedder_op: str | None, pooler_op: str | None):
+    return [
+        (modeling.Gemma4VisionPatchEmbedder, embedder_op, _embedder_forward),
+        (modeling.Gemma4VisionPooler, pooler_op, _pooler_forward),
+    ]
+
+
+def apply_fused_vision_to_gemma4(
+    model: nn.Module | None = None,
+    *,
+    position_embeddings: bool = True,
+    patch_embedder: bool = True,
+    pooler: bool = True,
+    backend: str = "auto",
+) -> int:
+    """Put fused_vision's ops into transformers' Gemma 4 vision tower.
+
+    Args:
+        model: None to patch transformers' classes (``Gemma4VisionPatchEmbedder``, ``Gemma4VisionPooler``):
+            every instance without a patch of its own uses the fused ops from then on, including towers
+            built later by ``from_pretrained`` or by vLLM's ``AutoModel.from_config``. Or a module
+            (``Gemma4ForConditionalGeneration``, ``Gemma4Model``, ``Gemma4VisionModel``, or anything
+            containing those two classes) whose instances to patch, whether the class is patched or not.
+        patch_embedder: the whole patch embedder as ``fused_vision.patch_embed`` (prescale, projection,
+            lookup and add in one kernel). Where that cannot run (a quantized or hooked ``input_proj``,
+            autocast) the module falls back to the lookup alone.
+        position_embeddings: when ``patch_embedder`` is False, swap only the lookup inside the stock
+            embedder (``fused_vision.position_embeddings``, fused with the residual add); the projection
+            stays the module's own. Ignored when ``patch_embedder`` is True, which includes it.
+        pooler: the pooler as ``fused_vision.pool_by_positions``.
+        backend: "auto", "triton" or "reference", for every patched op.
+
+    Returns:
+        The number of modules (with ``model``) or classes (without) this call set to a fused op. Calling
+        again with the same arguments changes nothing and returns the same number; calling with other
+        arguments reconfigures the selected modules and leaves the unselected ones as they were.
+
+    Raises:
+        ValueError: nothing selected, an unknown backend, or ``model`` holds no module to patch (e.g.
+            ``gemma4_unified`` checkpoints, which have no vision tower).
+        ImportError: transformers or its Gemma 4 is missing.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    embedder_op = "patch_embed" if patch_embedder else "position_embeddings" if position_embeddings else None
+    pooler_op = "pool_by_positions" if pooler else None
+    if embedder_op is None and pooler_op is None:
+        raise ValueError(
+            "apply_fused_vision_to_gemma4: nothing selected "
+            "(patch_embedder, position_embeddings and pooler are all False)"
+        )
+    modeling = _modeling()
+    targets = [(cls, op, forward) for cls, op, forward in _targets(modeling, embedder_op, pooler_op) if op is not None]
+    release = dict(onehot_lookup=_onehot_lookup(), pooler_float32=_pooler_returns_float32())
+
+    if model is None:
+        for cls, op, forward in targets:
+            _patch_class(cls, forward, _Fused(op, backend, **release))
+        logger.info("fused_vision: patched %s", ", ".join(f"{cls.__name__} -> {op}" for cls, op, _ in targets))
+        return len(targets)
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+    matches = [
+        (module, op, forward) for module in model.modules() for cls, op, forward in targets if isinstance(module, cls)
+    ]
+    if not matches:
+        wanted = " or ".join(cls.__name__ for cls, _, _ in targets)
+        raise ValueError(
+            f"apply_fused_vision_to_gemma4: {type(model).__name__} contains no {wanted}, so there is nothing to "
+            "fuse. Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified "
+            "checkpoints have no vision tower), or call it with model=None before the model is built."
+        )
+    for module, op, forward in matches:
+        _patch_instance(module, forward, _Fused(op, backend, **release))
+    logger.info("fused_vision: patched %d module(s) of %s", len(matches), type(model).__name__)
+    return len(matches)
+
+
+def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
+    """Undo ``apply_fused_vision_to_gemma4``.
+
+    With ``model=None``: restore transformers' classes and every instance patched (or pinned) with
+    ``model=``, so all of Gemma 4 runs stock code again; returns the number of classes and instance
+    patches undone. With a model: its modules run stock code, even while the classes stay patched;
+    returns the number of its modules that were running a fused op.
+    """
+    if model is None:
+        classes = sum(_revert_class(cls) for cls in list(_CLASS_ORIGINALS))
+        modules = sum(_revert_instance(module, pin=False) for module in list(_PATCHED_INSTANCES))
+        return classes + modules
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+    modeling = _modeling()
+    kinds = (modeling.Gemma4VisionPatchEmbedder, modeling.Gemma4VisionPooler)
+    return sum(_revert_instance(module, pin=True) for module in model.modules() if isinstance(module, kinds))
+
+
+# ---- the batched encoder --------------------------------------------------------------------------
+
+
+def _resolve_tower(model: nn.Module) -> nn.Module:
+    """The Gemma4VisionModel itself, or the one inside a Gemma4Model / Gemma4ForConditionalGeneration."""
+    inner = getattr(model, "model", None)
+    for candidate in (model, getattr(model, "vision_tower", None), getattr(inner, "vision_tower", None)):
+        parts = ("patch_embedder", "encoder", "pooler", "config")
+        if candidate is not None and all(hasattr(candidate, part) for part in parts):
+            return candidate
+    raise TypeError(
+        f"vision_tower: expected a Gemma4VisionModel (with patch_embedder, encoder, pooler and config), "
+        f"got {type(model).__name__}"
+    )
+
+
+def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """Per-item (N_i, K) pixels and (N_i, 2) ids, and whether the input was one stacked tensor."""
+    if isinstance(pixel_values, torch.Tensor):
+        if not isinstance(pixel_position_ids, torch.Tensor):
+            raise TypeError("pixel_position_ids: expected a tensor like pixel_values")
+        if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3:
+            raise ValueError(
+                f"pixel_values (B, N, K) and pixel_position_ids (B, N, 2) expected, got shapes "
+                f"{tuple(pixel_values.shape)} and {tuple(pixel_position_ids.shape)}"
+            )
+        pixels, ids, stacked = list(pixel_values), list(pixel_position_ids), True
+    else:
+        if not isinstance(pixel_values, Sequence) or not isinstance(pixel_position_ids, Sequence):
+            raise TypeError("pixel_values, pixel_position_ids: expected two tensors or two lists of per-item tensors")
+        if len(pixel_values) != len(pixel_position_ids):
+            raise ValueError(f"{len(pixel_values)} pixel tensors but {len(pixel_position_ids)} position-id tensors")
+        pixels = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in pixel_values]
+        ids = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in pixel_position_ids]
+        stacked = False
+    for i, (p, q) in enumerate(zip(pixels, ids)):
+        if p.dim() != 2 or q.dim() != 2 or q.shape[-1] != 2 or p.shape[0] != q.shape[0]:
+            raise ValueError(
+                f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N, got "
+                f"{tuple(p.shape)} and {tuple(q.shape)}"
+            )
+    return pixels, ids, stacked
+
+
+def _plan_chunk(
+    num_items: int, patches_per_item: int, tower: nn.Module, device: torch.device, dtype: torch.dtype
+) -> int:
+    """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
+    from . import planner
+
+    # "onehot" prices the int64 one-hot of an unpatched 5.5-5.9 embedder; "fused" anything without it
+    onehot = getattr(tower.patch_embedder, _STATE, None) is None and _onehot_lookup()
+    path = "onehot" if onehot else "fused"
+    options = {}
+    if getattr(tower.config, "_attn_implementation", None) not in (None, *planner.ATTENTION_IMPLEMENTATIONS):
+        options["attn_implementation"] = "sdpa"  # flash-style kernels: no (N, N) scores, priced as sdpa
+    return planner.plan(
+        num_items, patches_per_item, tower.config, path=path, device=device, dtype=dtype, **options
+    )
+
+
+def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    """``Gemma4VisionModel.forward`` on one chunk, with the padding stripped per item instead of flattened."""
+    k = tower.config.pooling_kernel_size
+    output_length = pixel_values.shape[-2] // (k * k)
+    padding = (position_ids == -1).all(dim=-1)
+    inputs_embeds = tower.patch_embedder(pixel_values, position_ids, padding)
+    hidden_states = tower.encoder(
+        inputs_embeds=inputs_embeds, attention_mask=~padding, pixel_position_ids=position_ids
+    ).last_hidden_state
+    pooled, mask = tower.pooler(
+        hidden_states=hidden_states,
+        pixel_position_ids=position_ids,
+        padding_positions=padding,
+        output_length=output_length,
+    )
+    tokens = pooled[mask]
+    if _pooler_returns_float32():  # 5.10+: standardize in float32, then back to the working dtype
+        if tower.config.standardize:
+            tokens = (tokens - tower.std_bias.float()) * tower.std_scale.float()
+        tokens = tokens.to(inputs_embeds.dtype)
+    elif tower.config.standardize:  # 5.5-5.9: in the pooled dtype
+        tokens = (tokens - tower.std_bias) * tower.std_scale
+    return list(torch.split(tokens, mask.sum(dim=1).tolist()))
+
+
+def encode_images(
+    vision_tower: nn.Module,
+    pixel_values: torch.Tensor | Sequence[torch.Tensor],
+    pixel_position_ids: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    max_batch: int | None = None,
+) -> list[torch.Tensor]:
+    """Encode many images (or video frames) in memory-safe batches, as vLLM does; one tensor per item.
+
+    Items are bucketed by patch count; each bucket runs in chunks of ``fused_vision.planner.plan(...)``
+    items (at most ``max_batch``) through the tower's own patch embedder, encoder and pooler, so a
+    patched and a stock tower both work. Each item's pooled tokens are stripped of padding and
+    standardized as the release's ``Gemma4VisionModel.forward`` does.
+
+    Args:
+        vision_tower: a ``Gemma4VisionModel`` (or a ``Gemma4Model`` / ``Gemma4ForConditionalGeneration``).
+        pixel_values: (B, N, K) as the image processor returns it, or a list of (N_i, K) / (1, N_i, K).
+        pixel_position_ids: (B, N, 2), or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
+        max_batch: cap on the items per encoder call.
+
+    Returns:
+        A list of (T_i, D) soft tokens in the input order, equal (within floating-point tolerance) to
+        running the tower on each item alone. Inputs are moved to the tower's device.
+    """
+    tower = _resolve_tower(vision_tower)
+    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
+        raise ValueError(f"max_batch: expected a positive int or None, got {max_batch!r}")
+    pixels, ids, stacked = _items(pixel_values, pixel_position_ids)
+    table = tower.patch_embedder.position_embedding_table
+    device, dtype = table.device, table.dtype
+
+    buckets: dict[int, list[int]] = {}
+    for index, item in enumerate(pixels):
+        buckets.setdefault(item.shape[0], []).append(index)
+    outputs: list[torch.Tensor | None] = [None] * len(pixels)
+    for patches, indices in buckets.items():
+        chunk = int(_plan_chunk(len(indices), patches, tower, device, dtype))
+        if max_batch is not None:
+            chunk = min(chunk, max_batch)
+        chunk = max(1, min(chunk, len(indices)))
+        for start in range(0, len(indices), chunk):
+            selected = indices[start : start + chunk]
+            if stacked:  # one bucket holding every item in order: slice, do not copy
+                chunk_pixels = pixel_values[selected[0] : selected[-1] + 1]
+                chunk_ids = pixel_position_ids[selected[0] : selected[-1] + 1]
+            else:
+                chunk_pixels = torch.stack([pixels[i] for i in selected])
+                chunk_ids = torch.stack([ids[i] for i in selected])
+            encoded = _encode_chunk(tower, chunk_pixels.to(device), chunk_ids.to(device))
+            for index, tokens in zip(selected, encoded):
+                outputs[index] = tokens
+    return outputs  # type: ignore[return-value]

@@ -1,0 +1,562 @@
+"""fused_vision.gemma4 against transformers' own Gemma 4 vision tower, on tiny random configs.
+
+Runs against whichever transformers is importable: the newest (F.embedding era, 5.10+) in the test
+environment, and transformers 5.5-5.9 (one-hot era) through ``test_onehot_era_transformers``, which
+reruns this file in a subprocess with FUSED_VISION_TRANSFORMERS_ONEHOT on PYTHONPATH.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+
+transformers = pytest.importorskip("transformers")
+modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+
+import fused_vision.gemma4 as fg  # noqa: E402
+from fused_vision.gemma4 import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4  # noqa: E402
+
+ONEHOT_ENV = "FUSED_VISION_TRANSFORMERS_ONEHOT"
+EXPECT_ONEHOT_ENV = "FUSED_VISION_EXPECT_ONEHOT_ERA"  # set by the subprocess run
+# 5.9.0 wants huggingface_hub<2 (which needs httpx) and tokenizers<=0.23.0: they go in DIR beside it.
+ONEHOT_INSTALL = (
+    "pip install --no-deps --target DIR transformers==5.9.0 huggingface_hub==1.33.0 tokenizers==0.22.2 "
+    "httpx==0.28.1 httpcore==1.0.9 certifi"
+)
+VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+# Soft tokens after the tower (the pooled, scaled, maybe standardized output), per dtype. bf16: every
+# fused op rounds once like stock, but a GEMM tile order or a pooling sum order may move one rounding by
+# an ulp, which one encoder layer carries through.
+CLOSE = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=4e-2, atol=4e-2)}
+
+
+@pytest.fixture(autouse=True)
+def stock_after_each_test():
+    yield
+    revert_fused_vision_gemma4()
+
+
+def vision_config(*, patch_size=2, pooling=2, positions=64, standardize=False, hidden=32):
+    config = modeling.Gemma4VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=hidden // 2,
+        patch_size=patch_size,
+        position_embedding_size=positions,
+        pooling_kernel_size=pooling,
+        standardize=standardize,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def randomize(module: nn.Module, seed: int) -> nn.Module:
+    """Fresh random parameters and buffers (never the init's ones and zeros, nor torch.empty garbage)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            if not tensor.is_floating_point() or "inv_freq" in name:
+                continue
+            scale = 1.0 if "position_embedding_table" in name or "std_" in name else 0.2
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale + (1.0 if "std_scale" in name else 0.0))
+    return module
+
+
+def make_tower(dtype=torch.float32, seed=0, **config):
+    tower = modeling.Gemma4VisionModel(vision_config(**config))
+    return randomize(tower, seed).to(DEVICE, dtype).eval()
+
+
+def grid_ids(width, height, seq_len):
+    """Row-major (x fastest) ids of a width x height grid padded with (-1, -1), as the processor lays them."""
+    ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+    ids = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
+    return torch.cat([ids, torch.full((seq_len - len(ids), 2), -1)])
+
+
+def make_inputs(grids, seq_len, patch_size=2, seed=1):
+    """Random pixels in [0, 1) on real patches, 0 on padding (as the processor pads), and their ids."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.stack([grid_ids(w, h, seq_len) for w, h in grids])
+    pixels = torch.rand(len(grids), seq_len, 3 * patch_size**2, generator=generator)
+    pixels = pixels.masked_fill((ids == -1).all(-1, keepdim=True), 0.0)
+    return pixels.to(DEVICE), ids.to(DEVICE)
+
+
+GRIDS = [(8, 6), (4, 10), (6, 2)]  # k = 2: 12, 10 and 3 soft tokens of L = 16
+SEQ_LEN = 64
+
+
+def run_tower(tower, pixels, ids):
+    with torch.no_grad():
+        return tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+
+
+# ---- which release family, told from the code -----------------------------------------------------
+
+
+def test_release_family_is_detected_from_the_code():
+    if VERSION < (5, 10):
+        assert fg._onehot_lookup() and not fg._pooler_returns_float32()
+    else:
+        assert not fg._onehot_lookup()
+    if VERSION >= (5, 24):
+        assert fg._pooler_returns_float32()
+    if os.environ.get(EXPECT_ONEHOT_ENV) == "1":  # the subprocess run must really be on 5.5-5.9
+        assert VERSION < (5, 10), f"expected transformers 5.5-5.9, got {transformers.__version__}"
+        assert fg._onehot_lookup() and not fg._pooler_returns_float32()
+
+
+# ---- parity with the stock tower ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_lookup_alone_is_bit_identical(dtype):
+    tower = make_tower(dtype)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    stock = run_tower(tower, pixels, ids)
+    padding = (ids == -1).all(-1)
+    with torch.no_grad():
+        stock_embeds = tower.patch_embedder(pixels, ids, padding)
+    assert apply_fused_vision_to_gemma4(tower, patch_embedder=False, pooler=False) == 1
+    with torch.no_grad():
+        assert_bit_identical(tower.patch_embedder(pixels, ids, padding), stock_embeds, "patch embedder")
+    assert_bit_identical(run_tower(tower, pixels, ids), stock, "tower")
+
+
+@pytest.mark.parametrize("standardize", [False, True], ids=["plain", "standardize"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_every_fused_op_matches_stock(dtype, standardize):
+    tower = make_tower(dtype, standardize=standardize)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    stock = run_tower(tower, pixels, ids)
+    assert apply_fused_vision_to_gemma4(tower) == 2
+    fused = run_tower(tower, pixels, ids)
+    assert fused.dtype == stock.dtype and fused.shape == stock.shape == (12 + 10 + 3, 32)
+    assert_close(fused.float(), stock.float(), **CLOSE[dtype], what="soft tokens")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_pooler_returns_the_release_dtype(dtype):
+    tower = make_tower(dtype)
+    hidden = torch.randn(2, SEQ_LEN, 32).to(DEVICE, dtype)
+    _, ids = make_inputs(GRIDS[:2], SEQ_LEN)
+    padding = (ids == -1).all(-1)
+    for output_length in (16, SEQ_LEN):  # pooled, and the N == L path that only scales
+        stock, stock_mask = tower.pooler(hidden, ids, padding, output_length)
+        apply_fused_vision_to_gemma4(tower, patch_embedder=False, position_embeddings=False)
+        fused, mask = tower.pooler(hidden, ids, padding, output_length)
+        revert_fused_vision_gemma4(tower)
+        assert fused.dtype == stock.dtype == (torch.float32 if fg._pooler_returns_float32() else dtype)
+        assert_bit_identical(mask, stock_mask, "mask")
+        tol = 1e-6 if dtype == torch.float32 else 2**-7
+        assert_close(fused.float(), stock.float(), rtol=tol, atol=tol * 32**0.5, what="pooled")
+
+
+def test_gradients_match_stock():
+    """The fused ops are differentiable: a patched tower gets stock's gradients."""
+    stock_tower = make_tower()
+    tower = copy.deepcopy(stock_tower)
+    apply_fused_vision_to_gemma4(tower)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    grads = []
+    for model in (stock_tower, tower):
+        model.zero_grad()
+        out = model(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    for name, expected in grads[0].items():
+        assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
+
+
+def test_autocast_keeps_stock_rounding():
+    """Under autocast the patched tower rounds as stock does, in either release family, bit for bit."""
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    padding = (ids == -1).all(-1)
+    with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        stock_embeds = tower.patch_embedder(pixels, ids, padding)
+        stock = run_tower(tower, pixels, ids)
+        apply_fused_vision_to_gemma4(tower)
+        embeds = tower.patch_embedder(pixels, ids, padding)
+        fused = run_tower(tower, pixels, ids)
+    assert_bit_identical(embeds, stock_embeds, "patch embedder under autocast")
+    assert_bit_identical(fused, stock, "tower under autocast")
+
+
+# ---- patching: classes, instances, idempotence, revert, repr, errors -----------------------------------
+
+
+def tiny_conditional_generation():
+    text = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+        vocab_size=128,
+        hidden_size_per_layer_input=0,
+        vocab_size_per_layer_input=128,
+        num_global_key_value_heads=1,
+        global_head_dim=16,
+        layer_types=["full_attention"],
+    )
+    vision = vision_config().to_dict()
+    config = modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return modeling.Gemma4ForConditionalGeneration(config).eval()
+
+
+def fused_ops(model):
+    return sorted(str(m._fused_vision) for m in model.modules() if getattr(m, "_fused_vision", None) is not None)
+
+
+def test_class_patch_reaches_towers_built_before_and_after():
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    before = make_tower()
+    stock = run_tower(before, pixels, ids)
+    assert apply_fused_vision_to_gemma4() == 2
+    assert apply_fused_vision_to_gemma4() == 2  # idempotent
+    after = make_tower()  # same seed: same weights
+    for tower in (before, after):
+        assert "fused_vision=patch_embed(backend=auto)" in repr(tower.patch_embedder)
+        assert "fused_vision=pool_by_positions(backend=auto)" in repr(tower.pooler)
+        assert_close(run_tower(tower, pixels, ids), stock, **CLOSE[torch.float32], what="class-patched tower")
+    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
+
+    assert revert_fused_vision_gemma4() == 2
+    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._stock("embedder", "forward")
+    assert "fused_vision" not in repr(after)
+    assert_bit_identical(run_tower(after, pixels, ids), stock, "reverted tower")
+
+
+def test_instance_patch_with_and_without_a_class_patch():
+    model = tiny_conditional_generation()
+    assert apply_fused_vision_to_gemma4(model) == 2
+    assert apply_fused_vision_to_gemma4(model) == 2  # idempotent: same modules, same state
+    assert fused_ops(model) == ["patch_embed(backend=auto)", "pool_by_positions(backend=auto)"]
+    forward = model.model.vision_tower.patch_embedder.forward
+    apply_fused_vision_to_gemma4(model)
+    assert model.model.vision_tower.patch_embedder.forward.__func__ is forward.__func__
+
+    # reconfigure one op; the unselected pooler keeps its patch
+    assert apply_fused_vision_to_gemma4(model, patch_embedder=False, pooler=False, backend="reference") == 1
+    assert fused_ops(model) == ["pool_by_positions(backend=auto)", "position_embeddings(backend=reference)"]
+
+    # a class patch does not override the instance's own, and reverting the instance pins it to stock
+    apply_fused_vision_to_gemma4()
+    assert "position_embeddings(backend=reference)" in fused_ops(model)
+    assert revert_fused_vision_gemma4(model) == 2
+    assert fused_ops(model) == [] and "fused_vision" not in repr(model)
+    other = make_tower()
+    assert "fused_vision=patch_embed" in repr(other)  # the class patch still holds for others
+
+    # patch again on top of the class patch, then reset everything
+    assert apply_fused_vision_to_gemma4(model.model) == 2
+    assert len(fused_ops(model)) == 2
+    revert_fused_vision_gemma4()
+    assert fused_ops(model) == [] and fused_ops(other) == []
+    assert not any("_fused_vision" in vars(m) for m in model.modules())
+
+
+def test_instance_patch_of_a_loaded_model_matches_stock():
+    model = tiny_conditional_generation()
+    randomize(model.model.vision_tower, seed=3)
+    tower = model.model.vision_tower
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    with torch.no_grad():
+        stock = model.model.get_image_features(pixel_values=pixels, image_position_ids=ids).pooler_output
+        apply_fused_vision_to_gemma4(model)
+        fused = model.model.get_image_features(pixel_values=pixels, image_position_ids=ids).pooler_output
+    assert "fused_vision" in repr(tower)
+    for got, expected in zip(fused, stock, strict=True):
+        assert_close(got, expected, **CLOSE[torch.float32], what="image features")
+
+
+def test_errors():
+    with pytest.raises(ValueError, match="gemma4_unified"):
+        apply_fused_vision_to_gemma4(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(ValueError, match="nothing selected"):
+        apply_fused_vision_to_gemma4(patch_embedder=False, position_embeddings=False, pooler=False)
+    with pytest.raises(ValueError, match="backend"):
+        apply_fused_vision_to_gemma4(backend="cuda")
+    with pytest.raises(TypeError, match="Module"):
+        apply_fused_vision_to_gemma4("google/gemma-4-e2b-it")
+    tower = make_tower()
+    with pytest.raises(ValueError, match="no Gemma4VisionPooler"):  # only the pooler asked, only an embedder
+        apply_fused_vision_to_gemma4(tower.patch_embedder, patch_embedder=False, position_embeddings=False)
+    assert fused_ops(tower) == []
+
+
+def test_clear_import_error_without_gemma4(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers.models.gemma4.modeling_gemma4", None)
+    with pytest.raises(ImportError, match="has no Gemma 4"):
+        apply_fused_vision_to_gemma4()
+    with pytest.raises(ImportError, match="has no Gemma 4"):
+        revert_fused_vision_gemma4(nn.Linear(2, 2))
+
+
+@pytest.mark.skipif(VERSION < (5, 10), reason="gemma4_unified is newer than the one-hot era")
+def test_unified_checkpoints_have_nothing_to_patch():
+    unified = pytest.importorskip("transformers.models.gemma4_unified.modeling_gemma4_unified")
+    embedder = unified.Gemma4UnifiedVisionEmbedder.__new__(unified.Gemma4UnifiedVisionEmbedder)
+    nn.Module.__init__(embedder)
+    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder or Gemma4VisionPooler"):
+        apply_fused_vision_to_gemma4(embedder)
+
+
+def test_stock_path_for_inputs_the_ops_do_not_take():
+    tower = make_tower(torch.float64)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    stock = run_tower(tower, pixels.double(), ids)
+    apply_fused_vision_to_gemma4(tower)
+    assert_bit_identical(run_tower(tower, pixels.double(), ids), stock, "float64 tower (stock code)")
+
+
+def test_accelerate_style_hooks_are_kept():
+    """accelerate (device_map, offload) wraps ``forward`` and keeps the module's own in ``_old_forward``."""
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    padding = (ids == -1).all(-1)
+    embedder = tower.patch_embedder
+    with torch.no_grad():
+        stock = embedder(pixels, ids, padding)
+    calls = []
+
+    def hooked_forward(*args, **kwargs):
+        calls.append(1)
+        return embedder._old_forward(*args, **kwargs)
+
+    embedder._hf_hook, embedder._old_forward, embedder.forward = object(), embedder.forward, hooked_forward
+    apply_fused_vision_to_gemma4(tower)
+    assert embedder.forward is hooked_forward and embedder._old_forward.__func__ is fg._embedder_forward
+    with torch.no_grad():
+        assert_close(embedder(pixels, ids, padding), stock, **CLOSE[torch.float32], what="hooked embedder")
+    revert_fused_vision_gemma4(tower)
+    assert embedder.forward is hooked_forward and embedder._old_forward.__func__ is not fg._embedder_forward
+    with torch.no_grad():
+        assert_bit_identical(embedder(pixels, ids, padding), stock, "reverted hooked embedder")
+    assert len(calls) == 2
+
+
+def graph_breaks(tower, pixels, ids):
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    out = run_tower(torch.compile(tower, backend="eager"), pixels, ids)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    torch._dynamo.reset()
+    return out, breaks
+
+
+def test_torch_compile_traces_the_patched_modules():
+    """The patched forwards add no graph break to stock's (the fused ops are torch.library ops)."""
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    stock, stock_breaks = graph_breaks(tower, pixels, ids)
+    apply_fused_vision_to_gemma4(tower)
+    fused, fused_breaks = graph_breaks(tower, pixels, ids)
+    assert_close(fused, stock, **CLOSE[torch.float32], what="compiled tower")
+    assert fused_breaks == stock_breaks
+
+
+# ---- encode_images -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def planner_calls(monkeypatch):
+    """Stand-in for fused_vision.planner.plan: 3 items per call, recording what it was asked."""
+    calls = []
+
+    def plan(num_items, patches_per_item, tower, device, dtype):
+        calls.append((num_items, patches_per_item, dtype))
+        return 3
+
+    monkeypatch.setattr(fg, "_plan_chunk", plan)
+    return calls
+
+
+def per_item_stock(tower, pixels, ids):
+    return [run_tower(tower, p[None], i[None]) for p, i in zip(pixels, ids)]
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["stock_tower", "fused_tower"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_encode_images_stacked(planner_calls, dtype, fused):
+    tower = make_tower(dtype, standardize=True)
+    grids = GRIDS + [(2, 2), (8, 8)]
+    pixels, ids = make_inputs(grids, SEQ_LEN, seed=5)
+    expected = per_item_stock(tower, pixels, ids)
+    if fused:
+        apply_fused_vision_to_gemma4(tower)
+    with torch.no_grad():
+        got = encode_images(tower, pixels, ids, max_batch=2)
+    assert planner_calls == [(5, SEQ_LEN, dtype)]
+    assert [t.shape[0] for t in got] == [12, 10, 3, 1, 16]
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert g.dtype == e.dtype
+        assert_close(g.float(), e.float(), **CLOSE[dtype], what=f"item {index}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["stock_tower", "fused_tower"])
+def test_encode_images_one_at_a_time_is_the_tower_forward(planner_calls, fused):
+    """Chunks of one item run the very ops of Gemma4VisionModel.forward: bit for bit, release semantics
+    (dtype of the pooled tokens, float32 or not for the standardization) included."""
+    tower = make_tower(torch.bfloat16, standardize=True)
+    if fused:
+        apply_fused_vision_to_gemma4(tower)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=8)
+    with torch.no_grad():
+        got = encode_images(tower, pixels, ids, max_batch=1)
+    for index, (g, e) in enumerate(zip(got, per_item_stock(tower, pixels, ids), strict=True)):
+        assert_bit_identical(g, e, f"item {index}")
+
+
+def test_encode_images_list_of_mixed_sizes(planner_calls):
+    tower = make_tower(pooling=2)
+    small_pixels, small_ids = make_inputs([(4, 4), (2, 6), (4, 2)], 16, seed=6)
+    large_pixels, large_ids = make_inputs([(8, 6), (10, 4)], SEQ_LEN, seed=7)
+    order = [("s", 0), ("l", 0), ("s", 1), ("s", 2), ("l", 1)]
+    source = {"s": (small_pixels, small_ids), "l": (large_pixels, large_ids)}
+    pixels = [source[k][0][i] for k, i in order]
+    ids = [source[k][1][i][None] for k, i in order]  # (1, N, 2) items are accepted too
+    expected = [run_tower(tower, p[None], i) for p, i in zip(pixels, ids)]
+    apply_fused_vision_to_gemma4(tower)
+    with torch.no_grad():
+        got = encode_images(tower, pixels, ids)
+    assert sorted(planner_calls) == [(2, SEQ_LEN, torch.float32), (3, 16, torch.float32)]
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **CLOSE[torch.float32], what=f"item {index}")
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["stock_tower", "fused_tower"])
+def test_encode_images_uses_the_planner(monkeypatch, fused):
+    planner = pytest.importorskip("fused_vision.planner", reason="fused_vision.planner has not landed yet")
+    tower = make_tower()
+    if fused:
+        apply_fused_vision_to_gemma4(tower)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    seen = []
+    real_plan = planner.plan
+
+    def plan(*args, **kwargs):
+        seen.append((args, kwargs))
+        return real_plan(*args, **kwargs)
+
+    monkeypatch.setattr(planner, "plan", plan)
+    with torch.no_grad():
+        got = encode_images(model_with(tower), pixels, ids)
+    # an unpatched 5.5-5.9 tower builds the one-hot the planner must price; nothing else does
+    path = "onehot" if VERSION < (5, 10) and not fused else "fused"
+    assert len(seen) == 1 and seen[0][0][:2] == (3, SEQ_LEN) and seen[0][0][2] is tower.config
+    device = tower.patch_embedder.position_embedding_table.device
+    assert seen[0][1] == dict(path=path, device=device, dtype=torch.float32)
+    for g, e in zip(got, per_item_stock(tower, pixels, ids), strict=True):
+        assert_close(g, e, **CLOSE[torch.float32], what="soft tokens")
+
+
+def model_with(tower):
+    """A Gemma4Model-shaped holder: encode_images finds the tower inside."""
+    holder = nn.Module()
+    holder.vision_tower = tower
+    return holder
+
+
+def test_encode_images_errors(planner_calls):
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    with pytest.raises(ValueError, match="max_batch"):
+        encode_images(tower, pixels, ids, max_batch=0)
+    with pytest.raises(ValueError, match="pixel tensors"):
+        encode_images(tower, list(pixels), list(ids)[:2])
+    with pytest.raises(ValueError, match="item 1"):
+        encode_images(tower, list(pixels), [ids[0], ids[1][:10], ids[2]])
+    with pytest.raises(TypeError, match="Gemma4VisionModel"):
+        encode_images(nn.Linear(2, 2), pixels, ids)
+    assert encode_images(tower, [], []) == []
+
+
+# ---- the real image processor --------------------------------------------------------------------
+
+
+def processor_batch(sizes, max_soft_tokens, seed):
+    from PIL import Image
+
+    image_processing = pytest.importorskip("transformers.models.gemma4.image_processing_pil_gemma4")
+    processor = image_processing.Gemma4ImageProcessorPil(
+        patch_size=4, max_soft_tokens=max_soft_tokens, pooling_kernel_size=2
+    )
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    batch = processor(images, return_tensors="pt")
+    tokens = list(batch["num_soft_tokens_per_image"])
+    return batch["pixel_values"].to(DEVICE), batch["image_position_ids"].to(DEVICE), tokens
+
+
+SIZES = [(48, 80), (100, 36), (61, 61)]  # landscape, portrait, square-ish odd
+
+
+def test_processor_ids_through_patched_tower():
+    pixels, ids, tokens = processor_batch(SIZES, 70, seed=11)
+    assert pixels.dtype == torch.float32 and ids.dtype == torch.int64 and pixels.shape == (3, 280, 48)
+    positions = int(ids.max()) + 1
+    tower = make_tower(patch_size=4, pooling=2, positions=positions)  # the largest id is the last row
+    stock = run_tower(tower, pixels, ids)
+    apply_fused_vision_to_gemma4(tower, patch_embedder=False, pooler=False)
+    assert_bit_identical(run_tower(tower, pixels, ids), stock, "tower with the fused lookup")
+    apply_fused_vision_to_gemma4(tower)
+    fused = run_tower(tower, pixels, ids)
+    assert fused.shape[0] == sum(tokens)
+    assert_close(fused, stock, **CLOSE[torch.float32], what="tower with every fused op")
+
+
+def test_processor_items_of_two_budgets_through_encode_images(planner_calls):
+    pixels70, ids70, tokens70 = processor_batch(SIZES, 70, seed=12)
+    pixels140, ids140, tokens140 = processor_batch([(30, 90), (64, 64)], 140, seed=13)
+    pixels = [pixels70[0], pixels140[0], pixels70[1], pixels140[1], pixels70[2]]
+    ids = [ids70[0], ids140[0], ids70[1], ids140[1], ids70[2]]
+    tokens = [tokens70[0], tokens140[0], tokens70[1], tokens140[1], tokens70[2]]
+    positions = max(int(i.max()) for i in ids) + 1
+    tower = make_tower(patch_size=4, pooling=2, positions=positions, standardize=True)
+    expected = [run_tower(tower, p[None], i[None]) for p, i in zip(pixels, ids)]
+    apply_fused_vision_to_gemma4(tower)
+    with torch.no_grad():
+        got = encode_images(tower, pixels, ids, max_batch=2)
+    assert sorted(planner_calls) == [(2, 560, torch.float32), (3, 280, torch.float32)]
+    assert [g.shape[0] for g in got] == tokens
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **CLOSE[torch.float32], what=f"image {index}")
+
+
+# ---- the one-hot era (transformers 5.5-5.9), in a subprocess -------------------------------------
+
+
+@pytest.mark.skipif(os.environ.get(EXPECT_ONEHOT_ENV) == "1", reason="already the one-hot era run")
+def test_onehot_era_transformers():
+    target = os.environ.get(ONEHOT_ENV)
+    if not target:
+        pytest.skip(f"{ONEHOT_ENV} is unset: point it at a directory made with `{ONEHOT_INSTALL}`")
+    if not Path(target, "transformers").is_dir():
+        pytest.fail(f"{ONEHOT_ENV}={target} holds no transformers package; make it with `{ONEHOT_INSTALL}`")
+    env = dict(os.environ)
+    env.pop(ONEHOT_ENV)
+    env[EXPECT_ONEHOT_ENV] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [target, env.get("PYTHONPATH")]))
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__).resolve())]
+    result = subprocess.run(
+        command, cwd=Path(__file__).resolve().parents[1], env=env, capture_output=True, text=True, timeout=900
+    )
+    tail = (result.stdout + result.stderr)[-6000:]
+    assert result.returncode == 0, f"the one-hot era run failed:\n{tail}"
+    assert " passed" in result.stdout and " failed" not in result.stdout, tail
