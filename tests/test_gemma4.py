@@ -171,12 +171,15 @@ def test_gradients_match_stock():
     tower = copy.deepcopy(stock_tower)
     apply_fused_vision_to_gemma4(tower)
     pixels, ids = make_inputs(GRIDS, SEQ_LEN)
-    grads = []
+    grads, losses = [], []
     for model in (stock_tower, tower):
         model.zero_grad()
         out = model(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
-        out.square().mean().backward()
+        loss = out.square().mean()
+        loss.backward()
+        losses.append(loss.detach())
         grads.append({name: p.grad.clone() for name, p in model.named_parameters()})
+    assert_close(losses[1], losses[0], rtol=1e-5, atol=0, what="loss")
     for name, expected in grads[0].items():
         assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
 
@@ -369,6 +372,24 @@ def test_torch_compile_traces_the_patched_modules():
     fused, fused_breaks = graph_breaks(tower, pixels, ids)
     assert_close(fused, stock, **CLOSE[torch.float32], what="compiled tower")
     assert fused_breaks == stock_breaks
+
+
+def test_patched_tower_compiles_fullgraph():
+    """With stock's one break (the boolean-mask strip of padding) captured as a dynamic-shape op, the
+    whole patched tower is one graph, forward and backward."""
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    with torch.no_grad():
+        stock = run_tower(tower, pixels, ids)
+    apply_fused_vision_to_gemma4(tower)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled_tower = torch.compile(tower, fullgraph=True, backend="aot_eager")
+        compiled = compiled_tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+        compiled.square().mean().backward()
+    torch._dynamo.reset()
+    assert_close(compiled.detach(), stock, **CLOSE[torch.float32], what="fullgraph tower")
+    assert tower.patch_embedder.position_embedding_table.grad is not None
 
 
 # ---- encode_images -------------------------------------------------------------------------------
