@@ -4,6 +4,8 @@ The ``check_*_inputs`` functions look only at shapes, dtypes and devices, so tor
 for free; the id range check reads the data and runs inside the ops' implementations.
 """
 
+import os
+
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -36,13 +38,17 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
             raise ValueError(f"{name}: expected a tensor on {first_device} like {first_name}, got one on {device}")
 
 
+ENV_CHECK_IDS = "FUSED_VISION_CHECK_IDS"
+
+
 def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:
     """Ids must lie in [-1, P). One min/max reduction and one device-to-host sync.
 
-    Skipped while a CUDA graph is being captured (a sync would break the capture); the kernels
-    then write NaN for rows whose ids are out of range instead of reading out of bounds.
+    Skipped while a CUDA graph is being captured (a sync would break the capture) and when
+    FUSED_VISION_CHECK_IDS=0; the Triton kernels then write NaN for rows whose ids are out of range
+    instead of reading out of bounds.
     """
-    if position_ids.numel() == 0:
+    if position_ids.numel() == 0 or os.environ.get(ENV_CHECK_IDS) == "0":
         return
     if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
         return

@@ -67,3 +67,20 @@ def test_tensors_on_different_devices():
 def test_unknown_backend():
     with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'triton', 'reference'\), got 'cuda'"):
         fused_vision.position_embeddings(*good(), backend="cuda")
+
+
+@pytest.mark.parametrize("bad_id", [-2, 20, 2**40], ids=["below_minus_one", "P", "huge"])
+def test_unchecked_bad_ids_turn_rows_nan_not_faults(monkeypatch, bad_id):
+    """With the synchronising range check switched off, the kernels never read outside the table:
+    rows with an out-of-range id come out NaN, every other row is still exact."""
+    monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
+    table, ids = good()
+    ids[1, 2, 1] = bad_id
+    residual = torch.randn(2, 5, 8, device=DEVICE)
+    out = fused_vision.position_embeddings(table, ids, residual=residual, backend="triton")
+    assert out[1, 2].isnan().all()
+    ids[1, 2] = 0
+    expected = fused_vision.position_embeddings(table, ids, residual=residual, backend="triton")
+    rows = torch.ones(2, 5, dtype=torch.bool)
+    rows[1, 2] = False
+    assert torch.equal(out[rows], expected[rows])
