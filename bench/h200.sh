@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The whole H200 run in one command, for one device lease (~15 min of device time, start-up included):
+#   1. correctness at real shapes (bench/gpu_checks.py: bit-identity at B=32 N=2520 D=1152, > 2**31 elements,
+#      patch_embed's error vs float64, the pooler, the table gradient)         ~1 min
+#   2. the benchmark (python -m fused_vision bench, --time-budget bounds it)    ~3.5 min
+#   3. the planner's memory model against measured tower peaks                  ~1 min
+#   4. the kernel tests on the GPU, time-boxed                                  <= 2 min
+# Bench files land in $OUT directly (6 files); everything else in $OUT/checks.tgz and $OUT/h200.log, so the
+# 8-file limit on what comes back holds. Exits non-zero if any step failed; later steps still run.
+#   device tool: run(command="bash bench/h200.sh", timeout_s=540)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-bench/out/h200}"
+checks="$(mktemp -d)"
+mkdir -p "$out"
+exec > >(tee "$out/h200.log") 2>&1
+export PYTHONUNBUFFERED=1
+
+status=0
+step() {  # step NAME COMMAND...: run, time and record one step without stopping the others
+  local name=$1; shift
+  echo "=== $name: $*"
+  local start=$SECONDS
+  "$@" || { echo "=== $name FAILED (exit $?)"; status=1; }
+  echo "=== $name took $((SECONDS - start)) s"
+}
+
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+python3 -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+
+step gpu_checks python3 bench/gpu_checks.py --out "$checks"
+step bench python3 -m fused_vision bench --out "$out" --time-budget 200
+step planner_check python3 bench/planner_check.py --out "$checks"
+step gpu_tests timeout 120 python3 -m pytest -q -x -p no:cacheprovider \
+  tests/test_position_embeddings.py tests/test_patch_embed.py tests/test_pooler.py tests/test_validation.py \
+  --junitxml "$checks/gpu_tests.xml"
+
+tar -czf "$out/checks.tgz" -C "$checks" .
+cat "$out/results.md" 2>/dev/null
+exit "$status"

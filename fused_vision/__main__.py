@@ -1,0 +1,110 @@
+"""``python -m fused_vision`` and the ``fused-vision`` console script."""
+
+import argparse
+import shlex
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from .bench import OP_GROUPS, OPS, PROVIDERS, Case, Options, run
+from .bench.runner import DEFAULT_TIME_BUDGET_S
+
+
+def _name_list(choices: tuple[str, ...], groups: dict[str, tuple[str, ...]]):
+    """A parser of comma-separated names, each one of ``choices`` or a group of them."""
+
+    def parse(text: str) -> tuple[str, ...]:
+        names: list[str] = []
+        for name in filter(None, (part.strip() for part in text.split(","))):
+            if name not in choices and name not in groups:
+                raise argparse.ArgumentTypeError(f"{name!r}: expected one of {', '.join((*choices, *groups))}")
+            names += groups.get(name, (name,))
+        return tuple(dict.fromkeys(names))
+
+    return parse
+
+
+def _case_list(text: str) -> tuple[Case, ...]:
+    try:
+        return tuple(Case.parse(name.strip()) for name in text.split(",") if name.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 768,1152") from None
+
+
+def _device(text: str) -> torch.device:
+    device = torch.device(text)
+    if device.type not in ("cuda", "cpu"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the bench runs on cuda or cpu")
+    return device
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fused-vision", description="The Gemma 4 vision stem without the one-hot.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    bench = commands.add_parser(
+        "bench",
+        help="benchmark fused_vision against the one-hot and its peers on this device",
+        description="Benchmark fused_vision against the one-hot and its peers. Writes results.csv, "
+        "low_memory.csv, results.md, time.png, memory.png and log.txt to --out. Defaults: on a GPU, everything "
+        "at SPEC's shapes; on a CPU, the stem ops' onehot and embedding providers at small shapes.",
+    )
+    bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
+    bench.add_argument(
+        "--ops",
+        type=_name_list(OPS, {**OP_GROUPS, "all": OPS}),
+        help=f"comma-separated: {', '.join(OPS)}; or stem, tower, all",
+    )
+    bench.add_argument("--providers", type=_name_list(PROVIDERS, {}), help=f"comma-separated: {', '.join(PROVIDERS)}")
+    bench.add_argument(
+        "--cases",
+        type=_case_list,
+        help="comma-separated <image|video>_<items>x<soft tokens>, e.g. video_32x70,image_8x280 (towers too)",
+    )
+    bench.add_argument("--hidden", type=_int_list, help="comma-separated widths D of the stem ops (default 1152)")
+    bench.add_argument("--out", type=Path, help="results folder (default: fused_vision_bench/<UTC time>-<device>)")
+    bench.add_argument("--quick", action="store_true", help="fewer repetitions per measurement")
+    bench.add_argument("--tiny", action="store_true", help="tiny shapes and one-layer towers: checks that all runs")
+    bench.add_argument(
+        "--time-budget",
+        type=float,
+        default=DEFAULT_TIME_BUDGET_S,
+        metavar="SECONDS",
+        help="start nothing new this long after the start; compiled providers run last, so they go first "
+        f"(default {DEFAULT_TIME_BUDGET_S:g}; 0: no limit)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    out = args.out or Path("fused_vision_bench") / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{device.type}"
+    # python -m, the console script and bench/run.py all come here: record the canonical form.
+    command = "python -m fused_vision " + shlex.join(sys.argv[1:] if argv is None else argv)
+    options = Options(
+        device=device,
+        out=out,
+        ops=args.ops,
+        providers=args.providers,
+        cases=args.cases,
+        hidden_sizes=args.hidden,
+        quick=args.quick,
+        tiny=args.tiny,
+        time_budget_s=args.time_budget or None,
+        command=command,
+    )
+    run(options)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

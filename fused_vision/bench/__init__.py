@@ -1,0 +1,14 @@
+"""The benchmark: fused_vision against the one-hot it replaces and its peers, on the present device.
+
+``python -m fused_vision bench`` (or ``fused-vision bench``) runs it; ``run(Options(...))`` is the same
+from Python. Providers, per op: ``onehot`` (transformers 5.5-5.9), ``embedding`` (5.10+, two
+F.embedding), ``compiled`` (torch.compile of the 5.10+ code; of the stock pooler), ``fused``
+(fused_vision's public op, Triton backend) and ``fused_kernel`` (its Triton launcher alone).
+Ops: the lookup, the patch embedder, the pooler, the lookup's backward, the E2B/E4B and 26B/31B
+vision towers, and vLLM's low-memory scenario.
+"""
+
+from .runner import OPS, OP_GROUPS, PROVIDERS, Options, run
+from .workloads import Case
+
+__all__ = ["Case", "OPS", "OP_GROUPS", "Options", "PROVIDERS", "run"]

@@ -1,0 +1,349 @@
+"""The driver: what runs, in which order, within what time, and what each measurement becomes.
+
+Order: the two ceilings; every stem op's providers but ``compiled``; the towers; the low-memory
+scenario; the ``compiled`` providers last. Compile times are the one part of the run nobody can
+predict, so a run past its time budget loses compiled rows first, never the towers or the scenario.
+"""
+
+import platform
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from functools import partial
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+import fused_vision
+
+from . import report
+from .measure import Budget, Ceiling, copy_ceiling, matmul_ceiling, peak_bytes, synchronize, tensor_bytes, time_call
+from .ops import STEM_OPS, Unsupported
+from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory
+from .workloads import CPU_CASES, GPU_CASES, GPU_TOWER_CASES, TINY_CASES, Case
+
+DTYPE = torch.bfloat16  # Gemma 4's checkpoints; pixels stay float32, as the processors emit them
+DTYPE_NAME = str(DTYPE).removeprefix("torch.")
+TOWER_OPS = tuple(VISION_TOWERS)
+OPS = (*STEM_OPS, *TOWER_OPS, "low_memory")
+OP_GROUPS = {"stem": tuple(STEM_OPS), "tower": TOWER_OPS}
+PROVIDERS = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
+DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, SPEC section 5's measurements
+TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
+# The H200 run must end within 5 minutes: this leaves ~90 s for start-up, the task running at the deadline
+# (a compile can take 20 s) and the reports.
+DEFAULT_TIME_BUDGET_S = 210.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run. ``None`` leaves the choice to the device's defaults (see ``Plan``)."""
+
+    device: torch.device
+    out: Path
+    ops: tuple[str, ...] | None = None
+    providers: tuple[str, ...] | None = None
+    cases: tuple[Case, ...] | None = None
+    hidden_sizes: tuple[int, ...] | None = None
+    quick: bool = False
+    tiny: bool = False
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does: the options, with the device's defaults where they leave a choice open.
+
+    GPUs run everything at SPEC's shapes. CPUs run the stem ops' one-hot and F.embedding code at small
+    shapes: compiles take minutes there, and Triton runs on a CPU only in its interpreter, whose times
+    mean nothing.
+    """
+
+    ops: tuple[str, ...]
+    providers: tuple[str, ...]
+    stem_cases: tuple[Case, ...]
+    tower_cases: tuple[Case, ...]
+    hidden_sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, options: Options) -> "Plan":
+        on_gpu, tiny = options.device.type == "cuda", options.tiny
+        return cls(
+            ops=options.ops or (OPS if on_gpu else tuple(STEM_OPS)),
+            providers=options.providers or (PROVIDERS if on_gpu else ("onehot", "embedding")),
+            stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
+            tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES[:1]),
+            hidden_sizes=options.hidden_sizes or ((TINY_HIDDEN,) if tiny else (DEFAULT_HIDDEN,)),
+        )
+
+    @property
+    def stem_ops(self) -> tuple[str, ...]:
+        return tuple(op for op in STEM_OPS if op in self.ops)
+
+    @property
+    def tower_ops(self) -> tuple[str, ...]:
+        return tuple(op for op in TOWER_OPS if op in self.ops)
+
+    def task_count(self) -> int:
+        chosen = set(self.providers)
+        stem = sum(len(chosen & set(STEM_OPS[op].providers)) for op in self.stem_ops)
+        count = stem * len(self.stem_cases) * len(self.hidden_sizes)
+        count += len(self.tower_ops) * len(chosen & set(TOWER_PROVIDERS)) * len(self.tower_cases)
+        return count + (len(LOW_MEMORY_PATHS) * len(LOW_MEMORY_WORKLOADS) if "low_memory" in self.ops else 0)
+
+
+# do_bench's own defaults for the stem ops; a tower call takes 30-300 ms, so a second buys 3-30 timed calls.
+STEM_BUDGET, TOWER_BUDGET = Budget(warmup_ms=25, rep_ms=100), Budget(warmup_ms=1, rep_ms=1000)
+QUICK_STEM_BUDGET, QUICK_TOWER_BUDGET = Budget(warmup_ms=5, rep_ms=20), Budget(warmup_ms=1, rep_ms=100)
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return ""
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{device.type} {platform.machine()} ({torch.get_num_threads()} threads)"
+    return dict(
+        gpu=name,
+        torch=torch.__version__,
+        triton=installed("triton"),
+        transformers=installed("transformers"),
+        fused_vision=fused_vision.__version__,
+    )
+
+
+def describe(exc: BaseException | str) -> str:
+    if isinstance(exc, str):
+        return exc
+    lines = str(exc).strip().splitlines()
+    return lines[0] if isinstance(exc, Unsupported) else f"{type(exc).__name__}: {lines[0] if lines else ''}"
+
+
+class Log:
+    """Lines to stdout as they happen, and to ``log.txt``."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.file = path.open("w")
+
+    def __call__(self, line: str) -> None:
+        print(line, flush=True)
+        self.file.write(line + "\n")
+        self.file.flush()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+class Session:
+    """What every measurement shares: options, ceilings, the log, progress, and the rows so far."""
+
+    def __init__(self, options: Options, log: Log, total_tasks: int):
+        self.options, self.log, self.total_tasks = options, log, total_tasks
+        self.started = time.monotonic()
+        self.date = datetime.now(timezone.utc)
+        self.environment = environment(options.device)
+        self.stem_budget = QUICK_STEM_BUDGET if options.quick else STEM_BUDGET
+        self.tower_budget = QUICK_TOWER_BUDGET if options.quick else TOWER_BUDGET
+        self.rows: list[dict] = []
+        self.low_memory_rows: list[dict] = []
+        self.skipped: list[dict] = []
+        self.failed_sections: list[str] = []
+        self.tasks_done = 0
+        self.dtype_name = DTYPE_NAME
+        self.copy: Ceiling | None = None
+        self.matmul: Ceiling | None = None
+
+    def out_of_time(self) -> bool:
+        budget = self.options.time_budget_s
+        return bool(budget) and time.monotonic() - self.started > budget
+
+    def time_budget_reason(self) -> str:
+        return f"past the time budget of {self.options.time_budget_s:g} s (--time-budget)"
+
+    def _progress(self, line: str) -> None:
+        self.tasks_done += 1
+        width = len(str(self.total_tasks))
+        self.log(f"[{self.tasks_done:>{width}}/{self.total_tasks}] {line}")
+
+    def skip(self, op: str, provider: str, case: Case, hidden: int, reason: BaseException | str) -> None:
+        reason = describe(reason)
+        self.skipped.append(dict(op=op, provider=provider, case=case.name, D=hidden, reason=reason))
+        self._progress(f"{op:<14} {provider:<12} {case.name:<13} D={hidden:<5} skipped: {reason}")
+        if self.options.device.type == "cuda":
+            torch.cuda.empty_cache()  # after an out-of-memory error, hand the cached blocks back
+
+    def run(
+        self,
+        op: str,
+        provider: str,
+        case: Case,
+        hidden: int,
+        setup: Callable[[], Callable[[], object]],
+        *,
+        budget: Budget,
+        model_bytes: int = 0,
+        flops: int = 0,
+    ):
+        """Set up, time and measure one provider at one case, and log it: the call's result, or None if skipped."""
+        if self.out_of_time():
+            self.skip(op, provider, case, hidden, self.time_budget_reason())
+            return None
+        device = self.options.device
+        failure = None
+        try:
+            start = time.perf_counter()
+            call = setup()
+            result = call()  # compiles, autotunes, JITs: kept out of the timings, reported in the log
+            synchronize(device)
+            first_call_s = time.perf_counter() - start
+            times = time_call(call, device, budget)
+            peak = None  # the CPU allocator keeps no peak statistics
+            if device.type == "cuda":
+                peak, result = peak_bytes(call, device)
+        except Exception as exc:  # an out-of-memory error, a provider this stack lacks: a logged skip, not a crash
+            failure = describe(exc)
+        if failure:  # skipped outside the handler, whose traceback holds the failed call's tensors
+            self.skip(op, provider, case, hidden, failure)
+            return None
+        row = dict(
+            op=op,
+            provider=provider,
+            case=case.name,
+            B=case.items,
+            N=case.patches_per_item,
+            D=hidden,
+            dtype=DTYPE_NAME,
+            ms_p50=times.p50,
+            ms_p20=times.p20,
+            ms_p80=times.p80,
+            peak_bytes=peak,
+            output_bytes=tensor_bytes(result),
+        )
+        floor_ms = 0.0
+        if model_bytes:
+            gbps = model_bytes / times.p50 / 1e6
+            row |= dict(model_bytes=model_bytes, gbps=gbps, pct_of_copy=100 * gbps / self.copy.gbps)
+            floor_ms = model_bytes / self.copy.gbps / 1e6
+        if flops:
+            tflops = flops / times.p50 / 1e9
+            row |= dict(tflops=tflops, pct_of_matmul=100 * tflops / self.matmul.tflops)
+            floor_ms = max(floor_ms, flops / self.matmul.tflops / 1e9)
+        if floor_ms:
+            row["floor_ms"] = floor_ms
+        self.rows.append(row | self.environment)
+        self._progress(
+            f"{op:<14} {provider:<12} {case.name:<13} D={hidden:<5} {report.progress_summary(row)}"
+            f"  (first call {first_call_s:.2f} s)"
+        )
+        return result
+
+    def measure_ceilings(self) -> None:
+        device, tiny = self.options.device, self.options.tiny
+        on_gpu = device.type == "cuda"
+        copy_elements = 2**20 if tiny else 2**28 if on_gpu else 2**24  # 4 MiB, 1 GiB, 64 MiB of fp32
+        matmul_size = 256 if tiny else 8192 if on_gpu else 1024
+        self.log("measuring the ceilings: a device copy and a matmul")
+        self.copy = copy_ceiling(device, copy_elements, self.stem_budget)
+        self.matmul = matmul_ceiling(device, matmul_size, DTYPE, self.stem_budget)
+        for ceiling, dtype in ((self.copy, "float32"), (self.matmul, DTYPE_NAME)):
+            self.rows.append(report.ceiling_row(ceiling, dtype) | self.environment)
+        self.log(
+            f"  copy {report.significant(self.copy.gbps)} GB/s (read + write, {self.copy.case}); "
+            f"matmul {report.significant(self.matmul.tflops)} TFLOP/s ({self.matmul.case}, {DTYPE_NAME})"
+        )
+
+    def guarded(self, section: str, fn: Callable, *args) -> None:
+        """Run one section of the bench; an error in it is logged with its traceback, and the others go on."""
+        try:
+            fn(*args)
+        except Exception:
+            self.failed_sections.append(section)
+            self.log(f"{section}: stopped by an error, the other sections go on\n{traceback.format_exc()}")
+
+    def record_low_memory(self, row: dict) -> None:
+        self.low_memory_rows.append(row | self.environment)
+        self._progress(f"{'low_memory':<14} {row['path']:<12} {row['case']:<13} {report.low_memory_summary(row)}")
+
+
+def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...], stem_cases, hidden_sizes) -> None:
+    device = session.options.device
+    for name in ops:
+        op = STEM_OPS[name]
+        chosen = [p for p in op.providers if p in providers]
+        for hidden in hidden_sizes:
+            for case in stem_cases:
+                torch.manual_seed(0)
+                try:
+                    bench = op(case, hidden, DTYPE, device)
+                except Exception as exc:
+                    for provider in chosen:
+                        session.skip(name, provider, case, hidden, exc)
+                    continue
+                for provider in chosen:
+                    if provider == "compiled":
+                        torch._dynamo.reset()  # a fresh compile per case: its time is the case's own
+                    session.run(
+                        name,
+                        provider,
+                        case,
+                        hidden,
+                        partial(bench.call, provider),
+                        budget=session.stem_budget,
+                        model_bytes=bench.model_bytes,
+                        flops=bench.flops,
+                    )
+                del bench
+
+
+def run(options: Options) -> Path:
+    """Run the comparison and write results.csv, low_memory.csv, results.md, time.png, memory.png and log.txt.
+
+    A section (the stem ops, a tower, the low-memory scenario, the compiled providers) stopped by an error
+    is logged with its traceback and the others still run; the reports are written, then it raises.
+    """
+    plan = Plan.of(options)
+    options.out.mkdir(parents=True, exist_ok=True)
+    log = Log(options.out / "log.txt")
+    try:
+        session = Session(options, log, plan.task_count())
+        env = session.environment
+        log(
+            f"fused_vision bench on {env['gpu']}: torch {env['torch']}, triton {env['triton'] or '-'}, "
+            f"transformers {env['transformers'] or '-'}, fused_vision {env['fused_vision']}"
+        )
+        log(
+            f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)}; "
+            f"cases {', '.join(case.name for case in plan.stem_cases)} "
+            f"(towers: {', '.join(case.name for case in plan.tower_cases)}); "
+            f"D {', '.join(map(str, plan.hidden_sizes))}; results in {options.out}"
+        )
+        session.measure_ceilings()
+        stem = (session, plan.stem_ops)
+        eager = tuple(p for p in plan.providers if p != "compiled")
+        session.guarded("stem ops", bench_stem, *stem, eager, plan.stem_cases, plan.hidden_sizes)
+        for op in plan.tower_ops:
+            session.guarded(op, bench_tower, session, op, plan.providers, plan.tower_cases)
+        if "low_memory" in plan.ops:
+            session.guarded("low_memory", run_low_memory, session)
+        if "compiled" in plan.providers:
+            session.guarded("compiled", bench_stem, *stem, ("compiled",), plan.stem_cases, plan.hidden_sizes)
+        written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(STEM_OPS))
+        log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
+    finally:
+        log.close()
+    if session.failed_sections:
+        raise RuntimeError(
+            f"bench sections stopped by errors: {', '.join(session.failed_sections)} (tracebacks in {log.path}); "
+            "the other sections' results are written"
+        )
+    return options.out

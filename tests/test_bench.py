@@ -1,0 +1,157 @@
+"""The benchmark end to end at tiny shapes, and its byte models against hand counts.
+
+On a CPU the fused providers run in Triton's interpreter (conftest sets TRITON_INTERPRET=1): their times
+mean nothing, only that every path runs and reports. On a GPU the same tests run the CUDA paths: peak
+memory, and the low-memory scenario on its emulated card.
+"""
+
+import csv
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fused_vision.__main__ import main
+from fused_vision.bench import Case, report, runner
+from fused_vision.bench.ops import Lookup, LookupBackward, PatchEmbed, Pooler
+from fused_vision.bench.workloads import position_ids, soft_token_grid
+
+from conftest import DEVICE
+
+REQUIRED_COLUMNS = (
+    "op", "provider", "case", "B", "N", "D", "dtype", "ms_p50", "ms_p20", "ms_p80", "peak_bytes", "model_bytes",
+    "gbps", "pct_of_copy", "gpu", "torch", "triton", "transformers", "fused_vision",
+)  # fmt: skip
+TEXT_COLUMNS = {"op", "provider", "case", "dtype", *report.ENVIRONMENT_COLUMNS}
+TOWERS = ("tower_e2b_e4b", "tower_26b_31b")
+
+
+def read_csv(path):
+    with path.open(newline="") as file:
+        reader = csv.DictReader(file)
+        return tuple(reader.fieldnames), list(reader)
+
+
+def run_cli(tmp_path, *args: str):
+    out = tmp_path / "bench"
+    assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", "--out", str(out), *args]) == 0
+    return out
+
+
+def test_every_op_and_provider_reports_through_the_cli(tmp_path):
+    out = run_cli(tmp_path, "--ops", "all", "--providers", "onehot,embedding,fused,fused_kernel")
+
+    columns, rows = read_csv(out / "results.csv")
+    assert columns == report.COLUMNS
+    assert set(REQUIRED_COLUMNS) <= set(columns)
+    measured = {(row["op"], row["provider"]) for row in rows}
+    expected = {("copy", "torch"), ("matmul", "torch")}
+    expected |= {(op, p) for op in ("lookup", "patch_embed") for p in ("onehot", "embedding", "fused", "fused_kernel")}
+    expected |= {("pooler", p) for p in ("onehot", "fused", "fused_kernel")}
+    expected |= {("backward", p) for p in ("onehot", "embedding", "fused")}
+    expected |= {(tower, p) for tower in TOWERS for p in ("onehot", "embedding", "fused")}
+    assert measured == expected
+
+    for row in rows:
+        for column in set(columns) - TEXT_COLUMNS:
+            if row[column]:
+                value = float(row[column])
+                assert math.isfinite(value) and value > 0, f"{row['op']}/{row['provider']}: {column} = {row[column]}"
+        assert float(row["ms_p20"]) <= float(row["ms_p50"]) <= float(row["ms_p80"])
+        if row["op"] not in report.CEILING_OPS:
+            assert bool(row["peak_bytes"]) == (DEVICE.type == "cuda"), "peaks on CUDA, none on a CPU"
+        if row["op"] in ("lookup", "patch_embed", "pooler", "backward"):
+            assert row["model_bytes"] and row["pct_of_copy"] and row["floor_ms"]
+    assert all(row["pct_of_matmul"] for row in rows if row["op"] == "patch_embed")
+
+    markdown = (out / "results.md").read_text()
+    assert "| case | patches | floor | onehot | embedding | fused | fused_kernel | onehot / fused |" in markdown
+    assert "### tower_26b_31b" in markdown
+    assert (out / "time.png").read_bytes().startswith(b"\x89PNG")
+    log = (out / "log.txt").read_text()
+    assert "fused vs onehot output: max |diff|" in log, "the towers compare their outputs"
+    columns, rows = read_csv(out / "low_memory.csv")
+    assert columns == report.LOW_MEMORY_COLUMNS
+    if DEVICE.type == "cuda":
+        assert sorted((row["path"], row["case"]) for row in rows) == [
+            ("fused", "image_64x280"), ("fused", "video_128x70"), ("onehot", "image_64x280"), ("onehot", "video_128x70")
+        ]  # fmt: skip
+        assert all(row["status"] == "ok" and float(row["items_per_s"]) > 0 for row in rows)
+    else:
+        assert rows == [] and "needs a CUDA device" in log, "the low-memory scenario says why it did not run"
+
+
+def test_compiled_provider(tmp_path):
+    out = run_cli(tmp_path, "--ops", "lookup", "--providers", "compiled")
+    _, rows = read_csv(out / "results.csv")
+    measured = [(row["op"], row["provider"]) for row in rows]
+    assert measured == [("copy", "torch"), ("matmul", "torch"), ("lookup", "compiled")]
+    assert "first call" in (out / "log.txt").read_text()
+
+
+def test_time_budget_skips_what_would_start_late(tmp_path):
+    out = run_cli(tmp_path, "--ops", "lookup,pooler", "--time-budget", "1e-9")
+    _, rows = read_csv(out / "results.csv")
+    assert {row["op"] for row in rows} == {"copy", "matmul"}
+    assert "past the time budget" in (out / "results.md").read_text()
+
+
+def test_a_failing_section_still_writes_the_other_results(tmp_path, monkeypatch):
+    def broken_tower(*args):
+        raise RuntimeError("planted failure")
+
+    monkeypatch.setattr(runner, "bench_tower", broken_tower)
+    with pytest.raises(RuntimeError, match="sections stopped by errors: tower_e2b_e4b"):
+        run_cli(tmp_path, "--ops", "lookup,tower_e2b_e4b", "--providers", "embedding")
+    _, rows = read_csv(tmp_path / "bench" / "results.csv")
+    assert ("lookup", "embedding") in {(row["op"], row["provider"]) for row in rows}
+    assert "RuntimeError: planted failure" in (tmp_path / "bench" / "log.txt").read_text()
+
+
+def test_bad_arguments_are_usage_errors(capsys):
+    bad = (["--ops", "lookup,nope"], ["--providers", "onehot,magic"], ["--cases", "image_8"], ["--device", "meta"])
+    for args in bad:
+        with pytest.raises(SystemExit) as exit_info:
+            main(["bench", *args])
+        assert exit_info.value.code == 2
+    assert "image_<items>x<soft tokens>" in capsys.readouterr().err
+
+
+def test_module_entry_point():
+    result = subprocess.run([sys.executable, "-m", "fused_vision", "bench", "--help"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "--time-budget" in result.stdout
+
+
+def test_cases_and_their_layout():
+    case = Case.parse("video_32x70")
+    assert (case.kind, case.items, case.soft_tokens) == ("video", 32, 70)
+    assert (case.patches_per_item, case.patches) == (630, 20160)
+    assert [soft_token_grid(tokens) for tokens in (70, 280, 1120)] == [(6, 11), (12, 23), (25, 44)]
+    ids = position_ids(Case.parse("image_2x280"), torch.device("cpu"))
+    assert ids.shape == (2, 2520, 2)
+    assert int((ids == -1).all(dim=-1).sum()) == 2 * (280 - 276) * 9
+    assert ids[0, :69].tolist() == [[x, 0] for x in range(69)] and ids[0, 69].tolist() == [0, 1]  # x fastest
+    for name in ("image_0x280", "audio_1x70", "image_8"):
+        with pytest.raises(ValueError, match="expected image_<items>x<soft tokens>"):
+            Case.parse(name)
+
+
+def test_byte_models_match_hand_counts():
+    """One 70-token frame at D=1152, bf16: 18 x 33 patches, 36 padding; 33 distinct x and 18 distinct y rows."""
+    case, cpu = Case.parse("video_1x70"), torch.device("cpu")
+    patches, ids_and_padding, row = 630, 630 * (2 * 8 + 1), 1152 * 2
+    lookup = ids_and_padding + (33 + 18) * row + patches * row
+    assert Lookup(case, 1152, torch.bfloat16, cpu).model_bytes == lookup == 1_579_734
+
+    patch_embed = PatchEmbed(case, 1152, torch.bfloat16, cpu)
+    assert patch_embed.model_bytes == 630 * 768 * 4 + 1152 * 768 * 2 + lookup == 5_284_566
+    assert patch_embed.flops == 2 * 630 * 768 * 1152
+
+    pooled = 70 * (1152 * 4 + 1)  # float32 (L, D) and the (L,) mask
+    assert Pooler(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + pooled == 1_784_860
+
+    table_grad = 2 * 10240 * row
+    assert LookupBackward(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + table_grad
