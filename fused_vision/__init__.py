@@ -2,6 +2,7 @@
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from .patch_embed import patch_embed
 from .pooler import pool_by_positions
 from .position_embedding import position_embeddings
@@ -11,4 +12,11 @@ try:
 except PackageNotFoundError:  # running from a source tree that was never installed
     __version__ = "0+unknown"
 
-__all__ = ["patch_embed", "pool_by_positions", "position_embeddings", "__version__"]
+__all__ = [
+    "apply_fused_vision_to_gemma4",
+    "patch_embed",
+    "pool_by_positions",
+    "position_embeddings",
+    "revert_fused_vision_gemma4",
+    "__version__",
+]
