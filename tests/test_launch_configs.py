@@ -1,0 +1,69 @@
+"""The tile shapes the launchers pick on a GPU, run here under the interpreter.
+
+CPU runs use the interpreter's own large tiles, so without this the GPU tiles (and the patch embedder's
+autotune configs) would first meet a test on the GPU. The interpreter has no bf16 dot, so the embedder's
+GPU path is checked in fp16 and fp32.
+"""
+
+import pytest
+import torch
+
+import fused_vision
+from fused_vision import reference
+from fused_vision.kernels import patch_embed as patch_embed_kernels
+from fused_vision.kernels import pooler as pooler_kernels
+from fused_vision.kernels import position_embedding as lookup_kernels
+
+from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from test_patch_embed import TOLERANCE, make_inputs
+from test_pooler import make_batch
+from test_position_embeddings import make_ids
+
+pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the real configs run in every test")
+
+
+@pytest.fixture
+def gpu_tiles(monkeypatch):
+    """Make the launchers choose the tiles they would choose on a GPU."""
+    for module in (lookup_kernels, pooler_kernels, patch_embed_kernels):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+
+
+def test_lookup_gpu_tiles(poisoned, gpu_tiles):
+    table = torch.randn(2, 40, 200, dtype=torch.bfloat16)  # D = 200: a partial second 128-column tile
+    ids = make_ids(3, 50, 40, padded_tail=7, half_padded=2)  # 150 rows: a partial last 32-row tile
+    residual = torch.randn(3, 50, 200, dtype=torch.bfloat16)
+    expected = residual + reference.onehot_position_embeddings(table, ids, reference.default_padding_positions(ids))
+    assert_bit_identical(fused_vision.position_embeddings(table, ids, residual=residual, backend="triton"), expected)
+
+
+def test_pooler_gpu_tiles(poisoned, gpu_tiles):
+    hidden_states, ids, padding = make_batch([(30, 24), (12, 9)], 3, 80, 200, torch.float16)  # 80 slots: 2 blocks
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 80, backend="triton")
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 80)
+    assert_bit_identical(mask, expected_mask, "mask")
+    assert_close(pooled, expected, atol=2**-10 * 200**0.5, rtol=2**-10)
+
+
+class _FixedConfig:
+    """Stands in for the autotuner: launches the kernel with one of its configs."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            meta = dict(self.config.kwargs, num_warps=self.config.num_warps, num_stages=self.config.num_stages)
+            return patch_embed_kernels._patch_embed_kernel[lambda _: grid(meta)](*args, **kwargs, **meta)
+
+        return launch
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("config", patch_embed_kernels._GPU_CONFIGS, ids=str)
+def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, config, dtype):
+    monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", _FixedConfig(config))
+    pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
+    actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
+    tol = TOLERANCE[dtype]
+    assert_close(actual.float(), reference.patch_embed(pixels, weight, table, ids).float(), atol=tol, rtol=tol)
