@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 
+from fused_vision.bench.tower import VISION_TOWERS
+from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
 from fused_vision.planner import transient_bytes_per_item
 
 TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
@@ -38,9 +40,10 @@ TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this 
 # Shapes of SPEC §2. The tiny tower keeps the real one's ratios (I ≈ 3.7·D, heads·head_dim = D) with a
 # patch small enough that, as at full size, the encoder layers rather than the pixel prescale peak.
 GEMMA4_26B_31B = dict(
-    hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16,
-    num_key_value_heads=16, head_dim=72, position_embedding_size=10240, patch_size=16,
-    pooling_kernel_size=3, use_clipped_linears=False, standardize=True,
+    VISION_TOWERS["tower_26b_31b"],
+    position_embedding_size=POSITION_EMBEDDING_SIZE,
+    patch_size=PATCH_SIZE,
+    pooling_kernel_size=POOLING_KERNEL,
 )
 TINY = dict(
     hidden_size=96, intermediate_size=360, num_hidden_layers=2, num_attention_heads=4,
