@@ -30,15 +30,13 @@ def triton_importable() -> bool:
     return True
 
 
-def triton_interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def triton_drives(device: torch.device) -> bool:
     """Whether a Triton kernel can run on tensors of this device here."""
     if not triton_importable():
         return False
-    return device.type in _TRITON_DEVICE_TYPES or (device.type == "cpu" and triton_interpreting())
+    from .kernels.common import interpreting
+
+    return device.type in _TRITON_DEVICE_TYPES or (device.type == "cpu" and interpreting())
 
 
 def check_backend(backend: str) -> None:
