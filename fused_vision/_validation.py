@@ -41,16 +41,21 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 ENV_CHECK_IDS = "FUSED_VISION_CHECK_IDS"
 
 
-def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:
-    """Ids must lie in [-1, P). One min/max reduction and one device-to-host sync.
+def id_checks_enabled(position_ids: torch.Tensor) -> bool:
+    """Whether to run the checks that read the ids and so synchronise the device.
 
-    Skipped while a CUDA graph is being captured (a sync would break the capture) and when
-    FUSED_VISION_CHECK_IDS=0; the Triton kernels then write NaN for rows whose ids are out of range
-    instead of reading out of bounds.
+    Not while a CUDA graph is being captured (a sync would break the capture), nor when
+    FUSED_VISION_CHECK_IDS=0. The Triton kernels then write NaN where bad ids would have led them
+    astray (a row's lookup, an item's pooled slots) instead of reading out of bounds or dropping patches.
     """
-    if position_ids.numel() == 0 or os.environ.get(ENV_CHECK_IDS) == "0":
-        return
-    if position_ids.is_cuda and torch.cuda.is_current_stream_capturing():
+    if os.environ.get(ENV_CHECK_IDS) == "0":
+        return False
+    return not (position_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:
+    """Ids must lie in [-1, P). One min/max reduction and one device-to-host sync (see id_checks_enabled)."""
+    if position_ids.numel() == 0 or not id_checks_enabled(position_ids):
         return
     low, high = torch.stack(torch.aminmax(position_ids)).tolist()
     if low < -1 or high >= num_positions:

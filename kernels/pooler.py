@@ -96,6 +96,10 @@ def _pool_by_positions_kernel(
 
     # Stock averages in fp32, rounds to the hidden dtype, then scales by sqrt(D) in fp32.
     pooled = round_to(acc * inv_k_squared, DTYPE).to(tl.float32) * scale
+    # Every program scanned the whole item: if any patch fell outside the L slots (which the host
+    # raises on unless its checks are off), the item's pooled values are NaN rather than short a patch.
+    item_overflows = tl.sum(overflow, axis=0) > 0
+    pooled = tl.where(item_overflows, float("nan"), pooled)
     slot_in = slots < output_length
     out_offsets = item * output_length * hidden + slots[:, None].to(tl.int64) * hidden + cols[None, :]
     tl.store(pooled_ptr + out_offsets, pooled, mask=slot_in[:, None] & col_in[None, :])
@@ -115,6 +119,7 @@ def pool_by_positions(
     """Launch the pooler on validated inputs with N = k * k * L, k > 1.
 
     Returns (pooled fp32 (B, L, D), mask (B, L) bool, overflow (B,) int32: patches whose slot is >= L).
+    Items with overflowing patches come out NaN.
     """
     batch, seq_len, hidden = hidden_states.shape
     device = hidden_states.device
