@@ -30,7 +30,7 @@ python3 -c "import torch, triton, transformers, fused_vision; print('torch', tor
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 
 step gpu_checks python3 bench/gpu_checks.py --out "$checks"
-step bench python3 -m fused_vision bench --out "$out" --time-budget 180
+step bench python3 -m fused_vision bench --out "$out" --time-budget 200
 step planner_check python3 bench/planner_check.py --out "$checks"
 step gpu_tests timeout 60 python3 -m pytest -q -x -p no:cacheprovider \
   tests/test_position_embeddings.py tests/test_patch_embed.py tests/test_pooler.py tests/test_validation.py \

@@ -15,7 +15,7 @@ import torch
 
 from fused_vision.__main__ import main
 from fused_vision.bench import Case, report, runner
-from fused_vision.bench.ops import Lookup, LookupBackward, PatchEmbed, Pooler
+from fused_vision.bench.ops import STEM_OPS, Lookup, LookupBackward, PatchEmbed, PatchEmbedBackward, Pooler, PoolerBackward
 from fused_vision.bench.workloads import position_ids, soft_token_grid
 
 from conftest import DEVICE
@@ -50,7 +50,8 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     expected = {("copy", "torch"), ("matmul", "torch")}
     expected |= {(op, p) for op in ("lookup", "patch_embed") for p in ("onehot", "embedding", "fused", "fused_kernel")}
     expected |= {("pooler", p) for p in ("onehot", "fused", "fused_kernel")}
-    expected |= {("backward", p) for p in ("onehot", "embedding", "fused")}
+    expected |= {(op, p) for op in ("lookup_backward", "patch_embed_backward") for p in ("onehot", "embedding", "fused")}
+    expected |= {("pooler_backward", p) for p in ("onehot", "fused")}
     expected |= {(tower, p) for tower in TOWERS for p in ("onehot", "embedding", "fused")}
     assert measured == expected
 
@@ -62,9 +63,9 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
         assert float(row["ms_p20"]) <= float(row["ms_p50"]) <= float(row["ms_p80"])
         if row["op"] not in report.CEILING_OPS:
             assert bool(row["peak_bytes"]) == (DEVICE.type == "cuda"), "peaks on CUDA, none on a CPU"
-        if row["op"] in ("lookup", "patch_embed", "pooler", "backward"):
+        if row["op"] in STEM_OPS:
             assert row["model_bytes"] and row["pct_of_copy"] and row["floor_ms"]
-    assert all(row["pct_of_matmul"] for row in rows if row["op"] == "patch_embed")
+    assert all(row["pct_of_matmul"] for row in rows if row["op"] in ("patch_embed", "patch_embed_backward"))
 
     markdown = (out / "results.md").read_text()
     assert "| case | patches | floor | onehot | embedding | fused | fused_kernel | onehot / fused |" in markdown
@@ -154,4 +155,11 @@ def test_byte_models_match_hand_counts():
     assert Pooler(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + pooled == 1_784_860
 
     table_grad = 2 * 10240 * row
-    assert LookupBackward(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + table_grad
+    lookup_backward = patches * row + ids_and_padding + table_grad
+    assert LookupBackward(case, 1152, torch.bfloat16, cpu).model_bytes == lookup_backward
+    weight_grad = 1152 * 768 * 2
+    patch_embed_backward = PatchEmbedBackward(case, 1152, torch.bfloat16, cpu)
+    assert patch_embed_backward.model_bytes == 630 * 768 * 4 + weight_grad + lookup_backward
+    assert patch_embed_backward.flops == 2 * 630 * 768 * 1152
+    pooled_grad = 70 * 1152 * 4
+    assert PoolerBackward(case, 1152, torch.bfloat16, cpu).model_bytes == pooled_grad + ids_and_padding + patches * row

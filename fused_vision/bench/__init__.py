@@ -4,7 +4,7 @@
 from Python. Providers, per op: ``onehot`` (transformers 5.5-5.9), ``embedding`` (5.10+, two
 F.embedding), ``compiled`` (torch.compile of the 5.10+ code; of the stock pooler), ``fused``
 (fused_vision's public op, Triton backend) and ``fused_kernel`` (its Triton launcher alone).
-Ops: the lookup, the patch embedder, the pooler, the lookup's backward, the E2B/E4B and 26B/31B
+Ops: the lookup, the patch embedder, the pooler, the backward of each, the E2B/E4B and 26B/31B
 vision towers, and vLLM's low-memory scenario.
 """
 

@@ -59,6 +59,18 @@ def lookup_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) -> int:
     return read + 2 * POSITION_EMBEDDING_SIZE * hidden * dtype.itemsize
 
 
+def patch_embed_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) -> int:
+    """The lookup's backward bytes plus the (B, N, K) float32 pixels read and the (D, K) weight gradient written."""
+    pixels = patches * PATCH_FEATURES * torch.float32.itemsize
+    return pixels + hidden * PATCH_FEATURES * dtype.itemsize + lookup_backward_bytes(patches, hidden, dtype)
+
+
+def pooler_backward_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
+    """(B, L, D) float32 pooled gradient, ids and padding read; the (B, N, D) hidden-state gradient written."""
+    slots = case.items * case.soft_tokens
+    return slots * hidden * torch.float32.itemsize + case.patches * (hidden * dtype.itemsize + 2 * ID_BYTES + BOOL_BYTES)
+
+
 def onehot_patch_embed(pixel_values, weight, table, position_ids, padding_positions):
     """Transformers 5.5-5.9's ``Gemma4VisionPatchEmbedder.forward``: the projection plus the one-hot lookup."""
     hidden_states = F.linear((2 * (pixel_values - 0.5)).to(weight.dtype), weight)
@@ -181,13 +193,22 @@ class Pooler(StemBench):
         return partial(pool_by_positions, *self.args, k)
 
 
+def backward_call(forward: Callable, inputs: tuple[torch.Tensor, ...], grad_output: torch.Tensor) -> Callable:
+    """Run ``forward`` once on ``inputs`` made leaves that require grad; the timed call is the gradient
+    of its (first) output with respect to them. The peak then counts what the backward allocates
+    beyond what the forward saved for it."""
+    leaves = tuple(t.detach().requires_grad_() for t in inputs)
+    output = forward(*leaves)
+    output = output[0] if isinstance(output, tuple) else output
+    if output.grad_fn is None:
+        raise Unsupported("its output carries no autograd graph (the op has no backward)")
+    return partial(torch.autograd.grad, output, leaves, grad_output, retain_graph=True)
+
+
 class LookupBackward(_TableBench):
-    """The table gradient of the lookup, timed alone: the forward runs once, outside the timing.
+    """The table gradient of the lookup: a dense matmul into the table for the one-hot."""
 
-    The peak counts what the backward allocates beyond what the forward saved for it.
-    """
-
-    name = "backward"
+    name = "lookup_backward"
     providers = ("onehot", "embedding", "fused")
 
     def __init__(self, case, hidden, dtype, device):
@@ -195,21 +216,74 @@ class LookupBackward(_TableBench):
         self.grad_output = torch.randn(case.items, case.patches_per_item, hidden, device=device).to(dtype)
         self.model_bytes = lookup_backward_bytes(case.patches, hidden, dtype)
 
-    def _backward_of(self, forward: Callable) -> Callable[[], object]:
-        table = self.table.detach().requires_grad_()
-        output = forward(table, self.ids, self.padding)
-        if output.grad_fn is None:
-            raise Unsupported("its output carries no autograd graph (the op has no backward yet)")
-        return partial(torch.autograd.grad, output, table, self.grad_output, retain_graph=True)
+    def _call(self, lookup: Callable) -> Callable[[], object]:
+        return backward_call(lambda table: lookup(table, self.ids, self.padding), (self.table,), self.grad_output)
 
     def onehot(self):
-        return self._backward_of(reference.onehot_position_embeddings)
+        return self._call(reference.onehot_position_embeddings)
 
     def embedding(self):
-        return self._backward_of(reference.position_embeddings)
+        return self._call(reference.position_embeddings)
 
     def fused(self):
-        return self._backward_of(partial(fused_vision.position_embeddings, backend="triton"))
+        return self._call(partial(fused_vision.position_embeddings, backend="triton"))
 
 
-STEM_OPS: dict[str, type[StemBench]] = {op.name: op for op in (Lookup, PatchEmbed, Pooler, LookupBackward)}
+class PatchEmbedBackward(_TableBench):
+    """The gradients a fine-tune needs from the embedder: weight and table (the pixels need none)."""
+
+    name = "patch_embed_backward"
+    providers = ("onehot", "embedding", "fused")
+
+    def __init__(self, case, hidden, dtype, device):
+        super().__init__(case, hidden, dtype, device)
+        self.pixels = pixel_values(self.ids)
+        self.weight = (torch.randn(hidden, PATCH_FEATURES, device=device) / PATCH_FEATURES**0.5).to(dtype)
+        self.grad_output = torch.randn(case.items, case.patches_per_item, hidden, device=device).to(dtype)
+        self.model_bytes = patch_embed_backward_bytes(case.patches, hidden, dtype)
+        self.flops = patch_embed_flops(case.patches, hidden)  # the weight gradient's GEMM
+
+    def _call(self, embed: Callable) -> Callable[[], object]:
+        def forward(weight, table):
+            return embed(self.pixels, weight, table, self.ids, self.padding)
+
+        return backward_call(forward, (self.weight, self.table), self.grad_output)
+
+    def onehot(self):
+        return self._call(onehot_patch_embed)
+
+    def embedding(self):
+        return self._call(reference.patch_embed)
+
+    def fused(self):
+        return self._call(partial(fused_vision.patch_embed, backend="triton"))
+
+
+class PoolerBackward(StemBench):
+    """The hidden states' gradient through the pooler."""
+
+    name = "pooler_backward"
+    providers = ("onehot", "fused")
+
+    def __init__(self, case, hidden, dtype, device):
+        super().__init__(case, hidden, dtype, device)
+        self.hidden_states = torch.randn(case.items, case.patches_per_item, hidden, device=device).to(dtype)
+        self.grad_output = torch.randn(case.items, case.soft_tokens, hidden, device=device)
+        self.model_bytes = pooler_backward_bytes(case, hidden, dtype)
+
+    def _call(self, pool: Callable) -> Callable[[], object]:
+        def forward(hidden_states):
+            return pool(hidden_states, self.ids, self.padding, self.case.soft_tokens)
+
+        return backward_call(forward, (self.hidden_states,), self.grad_output)
+
+    def onehot(self):
+        return self._call(reference.onehot_pool_by_positions)
+
+    def fused(self):
+        return self._call(partial(fused_vision.pool_by_positions, backend="triton"))
+
+
+STEM_OPS: dict[str, type[StemBench]] = {
+    op.name: op for op in (Lookup, PatchEmbed, Pooler, LookupBackward, PatchEmbedBackward, PoolerBackward)
+}
