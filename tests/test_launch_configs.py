@@ -59,9 +59,13 @@ class _FixedConfig:
         return launch
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=dtype_id)
-@pytest.mark.parametrize("config", patch_embed_kernels._GPU_CONFIGS, ids=str)
-def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, config, dtype):
+AUTOTUNE_CANDIDATES = [
+    (dtype, config) for dtype in (torch.float16, torch.float32) for config in patch_embed_kernels.gpu_configs(dtype)
+]
+
+
+@pytest.mark.parametrize("dtype,config", AUTOTUNE_CANDIDATES, ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
+def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
     monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", _FixedConfig(config))
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")

@@ -1,0 +1,188 @@
+"""Compile every Triton kernel for Hopper (sm_90a) with no GPU, at the launch configs a GPU gets, and
+report what each costs: shared memory, registers, spills.
+
+    python bench/hopper_compile.py [--out DIR]
+
+Triton lowers to PTX on any machine and its bundled ptxas assembles it, so this catches what the CPU
+interpreter cannot: kernels that do not compile for the GPU, tiles that overflow shared memory, and
+register spills. The arguments are the launchers' own, captured from calls on small CPU tensors
+(B=2, N=63, D=1152, K=768), so the specialisations match a real launch. Exits 1 when a kernel does
+not compile, or when a kernel overflows shared memory or spills registers. Must run without
+TRITON_INTERPRET (it changes what @triton.jit builds).
+"""
+
+import argparse
+import csv
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from contextlib import ExitStack
+from pathlib import Path
+from unittest import mock
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.nvidia.compiler import get_ptxas
+from triton.compiler import ASTSource
+
+from fused_vision import reference
+from fused_vision.kernels import patch_embed as patch_embed_kernels
+from fused_vision.kernels import pooler as pooler_kernels
+from fused_vision.kernels import position_embedding as lookup_kernels
+
+HOPPER = GPUTarget("cuda", 90, 32)
+SHARED_MEMORY_PER_BLOCK = 232_448  # bytes one block may use on sm_90
+POINTER_TYPES = {
+    torch.float32: "*fp32",
+    torch.float16: "*fp16",
+    torch.bfloat16: "*bf16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.uint8: "*u8",
+}
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+BATCH, PATCHES, HIDDEN, FEATURES, POSITIONS = 2, 63, 1152, 768, 64
+
+
+class Capture:
+    """Stands in for a kernel or its autotuner: records launches instead of running them."""
+
+    def __init__(self):
+        self.launches = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+
+
+def capture_launch(module, attribute: str, call) -> tuple[tuple, dict]:
+    """The one launch ``call`` makes of ``module.attribute`` on the GPU's code path."""
+    capture = Capture()
+    with ExitStack() as stack:
+        stack.enter_context(mock.patch.object(module, "interpreting", lambda: False))
+        stack.enter_context(mock.patch.object(module, attribute, capture))
+        call()
+    (launch,) = capture.launches
+    return launch
+
+
+def compile_for_hopper(kernel, args: tuple, kwargs: dict):
+    """Compile as the JIT would for these arguments: ints equal to 1 become constants, pointers and
+    values divisible by 16 are marked so."""
+    kwargs = dict(kwargs)
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    values = dict(zip(kernel.arg_names, args)) | kwargs
+    signature, constants, attrs = {}, {}, {}
+    for index, name in enumerate(kernel.arg_names):
+        value = values[name]
+        if index in kernel.constexprs or (type(value) is int and value == 1):
+            signature[name], constants[(index,)] = "constexpr", value
+        elif isinstance(value, torch.Tensor):
+            signature[name] = POINTER_TYPES[value.dtype]
+            attrs[(index,)] = [["tt.divisibility", 16]]
+        elif isinstance(value, float):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            if value % 16 == 0:
+                attrs[(index,)] = [["tt.divisibility", 16]]
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
+    return triton.compile(source, target=HOPPER, options=options)
+
+
+def ptxas_resources(ptx: str) -> tuple[int, int]:
+    """(registers per thread, spill bytes) as ptxas -v reports them."""
+    with tempfile.TemporaryDirectory() as folder:
+        source = Path(folder) / "kernel.ptx"
+        source.write_text(ptx)
+        result = subprocess.run(
+            [get_ptxas(HOPPER.arch).path, "-v", "--gpu-name", "sm_90a", str(source), "-o", str(source.with_suffix(".cubin"))],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+    registers = int(re.search(r"Used (\d+) registers", result.stderr).group(1))
+    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", result.stderr))
+    return registers, spills
+
+
+def name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def tile(config: triton.Config) -> str:
+    meta = config.kwargs
+    return f"{meta['BLOCK_M']}x{meta['BLOCK_D']}x{meta['BLOCK_K']}, {config.num_warps} warps, {config.num_stages} stages"
+
+
+def launches():
+    """(kernel, variant, jit function, args, kwargs) for every kernel and GPU launch config."""
+    torch.manual_seed(0)
+    ids = torch.randint(0, POSITIONS, (BATCH, PATCHES, 2))
+    padding = reference.default_padding_positions(ids)
+    for dtype in DTYPES:
+        table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
+        for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
+            call = lambda: lookup_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
+            args, kwargs = capture_launch(lookup_kernels, "_position_embedding_kernel", call)
+            variant = f"{name(dtype)}{' + residual' if residual is not None else ''}"
+            yield "lookup", variant, lookup_kernels._position_embedding_kernel, args, kwargs
+
+        grad = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
+        call = lambda: lookup_kernels.table_grad(grad, ids, padding, POSITIONS)  # noqa: E731
+        args, kwargs = capture_launch(lookup_kernels, "_table_grad_kernel", call)
+        yield "table_grad", name(dtype), lookup_kernels._table_grad_kernel, args, kwargs
+
+        hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
+        call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
+        args, kwargs = capture_launch(pooler_kernels, "_pool_by_positions_kernel", call)
+        yield "pool_by_positions", name(dtype), pooler_kernels._pool_by_positions_kernel, args, kwargs
+
+        weight = torch.randn(HIDDEN, FEATURES).to(dtype)
+        for pixel_dtype in (torch.float32, torch.bfloat16) if dtype == torch.bfloat16 else (torch.float32,):
+            pixels = torch.rand(BATCH, PATCHES, FEATURES).to(pixel_dtype)
+            call = lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)  # noqa: E731
+            args, kwargs = capture_launch(patch_embed_kernels, "_patch_embed_tuned", call)
+            for config in patch_embed_kernels.gpu_configs(dtype):
+                meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+                variant = f"{name(dtype)}, {name(pixel_dtype)} pixels, {tile(config)}"
+                yield "patch_embed", variant, patch_embed_kernels._patch_embed_kernel, args, kwargs | meta
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, help="also write hopper_compile.csv here")
+    args = parser.parse_args()
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        sys.exit("hopper_compile: unset TRITON_INTERPRET; the interpreter's @triton.jit builds nothing to compile")
+
+    rows, failed = [], False
+    for kernel_name, variant, kernel, launch_args, launch_kwargs in launches():
+        row = dict(kernel=kernel_name, variant=variant, shared_bytes="", registers="", spill_bytes="")
+        try:
+            compiled = compile_for_hopper(kernel, launch_args, launch_kwargs)
+            registers, spills = ptxas_resources(compiled.asm["ptx"])
+        except Exception as exc:  # a kernel that does not compile for the GPU is this script's finding
+            row["status"] = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            failed = True
+        else:
+            fits = compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK and spills == 0
+            row |= dict(shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spills)
+            row["status"] = "ok" if fits else "DOES NOT FIT"
+            failed |= not fits
+        rows.append(row)
+        print(f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
+              f"spills {row['spill_bytes']!s:>4}  {row['status']}", flush=True)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        with open(args.out / "hopper_compile.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
