@@ -71,3 +71,16 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
     tol = TOLERANCE[dtype]
     assert_close(actual.float(), reference.patch_embed(pixels, weight, table, ids).float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_id)
+def test_autotuner_offers_the_candidates_of_the_weight_dtype(dtype):
+    """On a GPU the autotuner prunes its list to the weight dtype's spill-free candidates."""
+    tuner = patch_embed_kernels._patch_embed_tuned
+    tuner.nargs = dict(zip(tuner.arg_names, [torch.empty(0)] * len(tuner.arg_names)))
+    tuner.nargs["weight_ptr"] = torch.empty(0, dtype=dtype)
+    try:
+        offered = tuner.prune_configs({})
+    finally:
+        tuner.nargs = None
+    assert offered == patch_embed_kernels.gpu_configs(dtype)
