@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import os
 import types
 import weakref
 from collections.abc import Sequence
@@ -35,7 +36,7 @@ from .patch_embed import patch_embed as _fused_patch_embed
 from .pooler import pool_by_positions as _fused_pool_by_positions
 from .position_embedding import position_embeddings as _fused_position_embeddings
 
-__all__ = ["apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "encode_images"]
+__all__ = ["apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "encode_images", "vllm_plugin"]
 
 logger = logging.getLogger("fused_vision")
 
@@ -388,6 +389,17 @@ def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
     modeling = _modeling()
     kinds = (modeling.Gemma4VisionPatchEmbedder, modeling.Gemma4VisionPooler)
     return sum(_revert_instance(module, pin=True) for module in model.modules() if isinstance(module, kinds))
+
+
+ENV_VLLM = "FUSED_VISION_VLLM"
+
+
+def vllm_plugin() -> None:
+    """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
+    process it starts, its model workers included, where a class patch made in the launching script
+    does not reach. Opt-in: patches transformers' Gemma 4 classes only when FUSED_VISION_VLLM=1."""
+    if os.environ.get(ENV_VLLM) == "1":
+        apply_fused_vision_to_gemma4()
 
 
 # ---- the batched encoder --------------------------------------------------------------------------

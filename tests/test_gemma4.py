@@ -6,6 +6,7 @@ reruns this file in a subprocess with FUSED_VISION_TRANSFORMERS_ONEHOT on PYTHON
 """
 
 import copy
+import importlib.metadata
 import os
 import subprocess
 import sys
@@ -243,6 +244,18 @@ def test_class_patch_reaches_towers_built_before_and_after():
     assert modeling.Gemma4VisionPatchEmbedder.forward is fg._stock("embedder", "forward")
     assert "fused_vision" not in repr(after)
     assert_bit_identical(run_tower(after, pixels, ids), stock, "reverted tower")
+
+
+def test_vllm_plugin_is_registered_and_opt_in(monkeypatch):
+    (entry_point,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.value.startswith("fused_vision")]
+    plugin = entry_point.load()
+    monkeypatch.delenv("FUSED_VISION_VLLM", raising=False)
+    plugin()
+    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._stock("embedder", "forward")
+    monkeypatch.setenv("FUSED_VISION_VLLM", "1")
+    plugin()
+    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
+    assert modeling.Gemma4VisionPooler.forward is fg._pooler_forward
 
 
 def test_instance_patch_with_and_without_a_class_patch():
