@@ -15,7 +15,7 @@ from fused_vision.kernels import pooler as pooler_kernels
 from fused_vision.kernels import position_embedding as lookup_kernels
 
 from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
-from test_patch_embed import TOLERANCE, make_inputs
+from test_patch_embed import assert_matches_stock, make_inputs
 from test_pooler import make_batch
 from test_position_embeddings import make_ids
 
@@ -69,8 +69,7 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
     monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", _FixedConfig(config))
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
-    tol = TOLERANCE[dtype]
-    assert_close(actual.float(), reference.patch_embed(pixels, weight, table, ids).float(), atol=tol, rtol=tol)
+    assert_matches_stock(actual, pixels, weight, table, ids)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_id)
