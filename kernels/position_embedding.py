@@ -28,6 +28,19 @@ def load_positions(
 
 
 @triton.jit
+def table_rows(x, y, padding, row_in, num_positions):
+    """Which table rows each row of a tile touches, in both directions (lookup and gradient).
+
+    Returns the ids clamped at 0 (stock's clamp: a lone -1 reads row 0), whether they are in range,
+    and whether the row touches the table at all: in range, not padding, inside the tensor. The host
+    checks the range; rows that slip past it (a skipped check) touch nothing.
+    """
+    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
+    touches = row_in & ~padding & ids_valid
+    return tl.maximum(x, 0), tl.maximum(y, 0), ids_valid, touches
+
+
+@triton.jit
 def position_embedding_tile(
     table_ptr,
     x,
@@ -42,14 +55,9 @@ def position_embedding_tile(
     stride_table_d,
     DTYPE: tl.constexpr,
 ):
-    """fp32 tile holding round_DTYPE(table[0, x] + table[1, y]), 0 on padding rows.
-
-    The host checks the id range; rows that slip past it (a skipped check) read nothing and turn NaN.
-    """
-    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
-    lookup = row_in & ~padding & ids_valid
-    x = tl.maximum(x, 0)
-    y = tl.maximum(y, 0)
+    """fp32 tile holding round_DTYPE(table[0, x] + table[1, y]), 0 on padding rows, NaN on rows whose
+    ids are out of range."""
+    x, y, ids_valid, lookup = table_rows(x, y, padding, row_in, num_positions)
     lookup_tile = lookup[:, None] & col_in[None, :]
     col_offsets = cols[None, :] * stride_table_d
     x_row = tl.load(table_ptr + x[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0)
@@ -203,15 +211,15 @@ def _table_grad_kernel(
     x, y, padding = load_positions(
         ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
     )
-    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
-    scatter = (row_in & ~padding & ids_valid)[:, None] & col_in[None, :]
+    x, y, _, scatter_rows = table_rows(x, y, padding, row_in, num_positions)
+    scatter = scatter_rows[:, None] & col_in[None, :]
     grad = tl.load(
         grad_ptr + batch[:, None] * stride_grad_b + patch[:, None] * stride_grad_n + cols[None, :] * stride_grad_d,
         mask=scatter,
         other=0.0,
     ).to(tl.float32)
-    x_rows = acc_ptr + tl.maximum(x, 0)[:, None] * hidden + cols[None, :]
-    y_rows = acc_ptr + (num_positions + tl.maximum(y, 0))[:, None] * hidden + cols[None, :]
+    x_rows = acc_ptr + x[:, None] * hidden + cols[None, :]
+    y_rows = acc_ptr + (num_positions + y)[:, None] * hidden + cols[None, :]
     tl.atomic_add(x_rows, grad, mask=scatter, sem="relaxed")
     tl.atomic_add(y_rows, grad, mask=scatter, sem="relaxed")
 
