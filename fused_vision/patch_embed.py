@@ -60,7 +60,7 @@ def _backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         grad_pixels = (grad @ weight).to(pixel_values.dtype) * 2
     if ctx.needs_input_grad[1]:
-        projected = (2 * (pixel_values - 0.5)).to(weight.dtype)
+        projected = reference.prescale_pixels(pixel_values, weight.dtype)
         grad_weight = grad.flatten(0, 1).t() @ projected.flatten(0, 1)
     if ctx.needs_input_grad[2]:
         grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, weight.dtype, ctx.backend)

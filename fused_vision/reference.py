@@ -51,6 +51,11 @@ def position_embeddings(
     return pe if residual is None else residual + pe
 
 
+def prescale_pixels(pixel_values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Gemma 4's input scaling: ``2 * (p - 0.5)`` in the pixel dtype, then cast to the projection's dtype."""
+    return (2 * (pixel_values - 0.5)).to(dtype)
+
+
 def patch_embed(
     pixel_values: torch.Tensor,
     weight: torch.Tensor,
@@ -59,7 +64,7 @@ def patch_embed(
     padding_positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``Gemma4VisionPatchEmbedder.forward``: prescale in the pixel dtype, cast, project, add the lookup."""
-    hidden_states = F.linear((2 * (pixel_values - 0.5)).to(weight.dtype), weight)
+    hidden_states = F.linear(prescale_pixels(pixel_values, weight.dtype), weight)
     return position_embeddings(table, position_ids, padding_positions, residual=hidden_states)
 
 

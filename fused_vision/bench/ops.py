@@ -73,7 +73,7 @@ def pooler_backward_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
 
 def onehot_patch_embed(pixel_values, weight, table, position_ids, padding_positions):
     """Transformers 5.5-5.9's ``Gemma4VisionPatchEmbedder.forward``: the projection plus the one-hot lookup."""
-    hidden_states = F.linear((2 * (pixel_values - 0.5)).to(weight.dtype), weight)
+    hidden_states = F.linear(reference.prescale_pixels(pixel_values, weight.dtype), weight)
     return hidden_states + reference.onehot_position_embeddings(table, position_ids, padding_positions)
 
 
