@@ -56,3 +56,21 @@ def assert_close(actual, expected, *, atol, rtol, what="output") -> None:
         coords = [tuple(int(c) for c in torch.unravel_index(i, error.shape)) for i in worst]
         detail = "; ".join(f"{c}: {actual[c].item():.6g} vs {expected[c].item():.6g}" for c in coords)
         raise AssertionError(f"{what}: {exc}\nworst: {detail}") from None
+
+
+def relative_error(actual: torch.Tensor, exact: torch.Tensor, ord: float = 2) -> float:
+    """‖actual − exact‖ / ‖exact‖ in float64, in the vector norm ``ord`` (inf: the worst element)."""
+    exact = exact.double()
+    return (torch.linalg.vector_norm(actual.double() - exact, ord) / torch.linalg.vector_norm(exact, ord)).item()
+
+
+def assert_as_accurate_as_stock(actual, stock, exact, *, slack=1.5, floor=0.0, ords=(2,), what="output") -> None:
+    """``actual``'s relative error against the float64 ``exact`` is at most ``slack`` times ``stock``'s, or
+    ``floor``, in each norm of ``ords``: for results that are not bit-identical to stock because sums run
+    in another order."""
+    for ord in ords:
+        actual_error, stock_error = relative_error(actual, exact, ord), relative_error(stock, exact, ord)
+        bound = max(slack * stock_error, floor)
+        assert actual_error <= bound, (
+            f"{what}: relative error (norm {ord}) {actual_error:.3g} vs float64, stock's {stock_error:.3g}"
+        )

@@ -7,7 +7,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from test_patch_embed import make_inputs
 from test_pooler import make_batch
 from test_position_embeddings import make_ids
@@ -30,10 +30,6 @@ def grads(fn, inputs, grad_out):
     return out.detach(), [t.grad for t in inputs]
 
 
-def relative_error(actual, exact):
-    return ((actual.double() - exact).norm() / exact.norm()).item()
-
-
 def check_gradients(fused, stock, inputs, grad_out, dtype, names):
     """Every gradient of ``fused`` against ``stock``'s; returns the two outputs."""
     out, actual = grads(fused, inputs, grad_out)
@@ -44,9 +40,7 @@ def check_gradients(fused, stock, inputs, grad_out, dtype, names):
         return out, expected_out
     _, exact = grads(stock, [t.double() for t in inputs], grad_out.double())
     for name, a, e, x in zip(names, actual, expected, exact):
-        fused_error, stock_error = relative_error(a, x), relative_error(e, x)
-        bound = max(1.5 * stock_error, BF16_ERROR_FLOOR)
-        assert fused_error <= bound, f"grad of {name}: relative error {fused_error:.3g}, stock's {stock_error:.3g}"
+        assert_as_accurate_as_stock(a, e, x, floor=BF16_ERROR_FLOOR, what=f"grad of {name}")
     return out, expected_out
 
 

@@ -6,7 +6,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_close, dtype_id
+from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_close, dtype_id
 from test_position_embeddings import make_ids
 
 BACKENDS = ["triton", "reference"]
@@ -42,10 +42,6 @@ def assert_matches_stock(actual, pixels, weight, table, ids):
         raise AssertionError(f"{int((error > bound).sum())} elements differ from stock beyond rounding; worst: {detail}")
 
 
-def relative_error(actual, exact):
-    return ((actual.double() - exact).norm() / exact.norm()).item()
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("pixel_dtype", [torch.float32, torch.bfloat16], ids=lambda d: "pixels_" + dtype_id(d))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
@@ -60,8 +56,7 @@ def test_matches_stock_and_is_as_accurate(poisoned, backend, pixel_dtype, dtype,
     assert_matches_stock(actual, pixels, weight, table, ids)
 
     exact = reference.patch_embed(pixels.double(), weight.double(), table.double(), ids)
-    fused_error, stock_error = relative_error(actual, exact), relative_error(stock, exact)
-    assert fused_error <= 1.5 * stock_error + 1e-12, f"relative error {fused_error:.3g} vs stock {stock_error:.3g}"
+    assert_as_accurate_as_stock(actual, stock, exact, floor=1e-12)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
