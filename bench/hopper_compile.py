@@ -25,7 +25,6 @@ from unittest import mock
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
 from triton.compiler import ASTSource
 
 from fused_vision import reference
@@ -98,7 +97,7 @@ def ptxas_resources(ptx: str) -> tuple[int, int]:
         source = Path(folder) / "kernel.ptx"
         source.write_text(ptx)
         result = subprocess.run(
-            [get_ptxas(HOPPER.arch).path, "-v", "--gpu-name", "sm_90a", str(source), "-o", str(source.with_suffix(".cubin"))],
+            [triton.knobs.nvidia.ptxas.path, "-v", "--gpu-name", "sm_90a", str(source), "-o", str(source.with_suffix(".cubin"))],
             capture_output=True,
             text=True,
             check=True,

@@ -4,13 +4,15 @@ Builds the 26B/31B vision tower from its config with random weights (nothing is 
 forwards for images (280 soft tokens, 2520 patches) and video frames (70 soft tokens, 630 patches)
 at several chunk sizes, and compares the peak memory each forward adds with the planner's per-item
 transient times the chunk. Every prediction must be an upper bound within 25 % of the measured peak;
-the script exits 1 otherwise.
+the script exits 1 otherwise. On transformers 5.5-5.9 the stock embedder builds the one-hot, so the
+predictions take path="onehot", vLLM's price of it, which is meant to over-count: there they are
+checked as upper bounds only.
 
     python bench/planner_check.py                        # CUDA: torch.cuda.max_memory_allocated
     python bench/planner_check.py --device cpu --tiny    # a small tower, live tensors tracked on the CPU
 
 Results go to --out (default $OUT, else bench/out) as planner_check.csv and planner_check.json. Needs
-fused_vision importable (``pip install --no-deps --no-build-isolation -e .``) and transformers >= 5.10.
+fused_vision importable (``pip install --no-deps --no-build-isolation -e .``) and transformers >= 5.5.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 
 from fused_vision.bench.tower import VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
+from fused_vision.gemma4 import _onehot_lookup
 from fused_vision.planner import transient_bytes_per_item
 
 TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
@@ -59,6 +62,11 @@ CASES = {
 
 def vision_config(shape: dict, attn_implementation: str = "sdpa", **overrides) -> Gemma4VisionConfig:
     return Gemma4VisionConfig(**{**shape, **overrides}, attn_implementation=attn_implementation)
+
+
+def stock_path() -> str:
+    """The planner's path for this transformers' own tower: "onehot" for 5.5-5.9's embedder, else "fused"."""
+    return "onehot" if _onehot_lookup() else "fused"
 
 
 def build_model(config: Gemma4VisionConfig, device: torch.device | str, dtype: torch.dtype) -> Gemma4VisionModel:
@@ -147,6 +155,7 @@ def measure_peak(model, pixel_values: torch.Tensor, position_ids: torch.Tensor) 
 @dataclass
 class Row:
     kind: str
+    path: str
     patches_per_item: int
     items: int
     measured_bytes: int
@@ -158,19 +167,21 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return self.measured_bytes <= self.predicted_bytes <= (1 + TOLERANCE) * self.measured_bytes
+        bound = self.measured_bytes <= self.predicted_bytes
+        return bound and (self.path == "onehot" or self.predicted_bytes <= (1 + TOLERANCE) * self.measured_bytes)
 
 
 def check(config: Gemma4VisionConfig, cases, device: torch.device, dtype: torch.dtype) -> list[Row]:
     model = build_model(config, device, dtype)
+    path = stock_path()
     rows = []
     for kind, soft_tokens, chunks in cases:
         for items in chunks:
             pixel_values, position_ids = make_inputs(config, items, soft_tokens, device)
             patches = pixel_values.shape[1]
-            per_item = transient_bytes_per_item(patches, config, dtype=dtype)
+            per_item = transient_bytes_per_item(patches, config, path=path, dtype=dtype)
             measured = measure_peak(model, pixel_values, position_ids)
-            rows.append(Row(kind, patches, items, measured, per_item * items))
+            rows.append(Row(kind, path, patches, items, measured, per_item * items))
     return rows
 
 
@@ -205,7 +216,10 @@ def main(argv=None) -> int:
     dtype = getattr(torch, args.dtype)
     config = vision_config(TINY if args.tiny else GEMMA4_26B_31B, args.attn)
     rows = check(config, CASES[args.tiny], device, dtype)
+    path = rows[0].path
+    standard = "upper bounds" if path == "onehot" else f"upper bounds within {TOLERANCE:.0%}"
 
+    print(f"path={path}: predictions must be {standard} of the measured peaks")
     print(f"{'kind':<6} {'N':>5} {'items':>5} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
     for row in rows:
         print(
@@ -217,16 +231,17 @@ def main(argv=None) -> int:
         "tower": "tiny" if args.tiny else "gemma4-26b/31b",
         "dtype": args.dtype,
         "attn_implementation": args.attn,
-        "tolerance": TOLERANCE,
+        "path": path,
+        "tolerance": None if path == "onehot" else TOLERANCE,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
     }
     write_results(rows, args.out, meta)
     failed = [row for row in rows if not row.ok]
     if failed:
-        print(f"{len(failed)} of {len(rows)} predictions not an upper bound within {TOLERANCE:.0%}", file=sys.stderr)
+        print(f"{len(failed)} of {len(rows)} predictions are not {standard}", file=sys.stderr)
         return 1
-    print(f"all {len(rows)} predictions are upper bounds within {TOLERANCE:.0%}; results in {args.out}")
+    print(f"all {len(rows)} predictions are {standard}; results in {args.out}")
     return 0
 
 

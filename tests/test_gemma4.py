@@ -223,7 +223,7 @@ def tiny_conditional_generation():
     text = dict(
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=1,
+        num_hidden_layers=2,  # 5.5 cannot validate its rope parameters for a single layer
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
@@ -232,7 +232,7 @@ def tiny_conditional_generation():
         vocab_size_per_layer_input=128,
         num_global_key_value_heads=1,
         global_head_dim=16,
-        layer_types=["full_attention"],
+        layer_types=["sliding_attention", "full_attention"],
     )
     vision = vision_config().to_dict()
     config = modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)

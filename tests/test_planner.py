@@ -273,9 +273,10 @@ def test_model_bounds_live_tensors_of_a_cpu_forward(planner_check, name):
     model = planner_check.build_model(config, "cpu", dtype)
     pixel_values, position_ids = planner_check.make_inputs(config, 2, soft_tokens, "cpu")
     measured = planner_check.measure_peak(model, pixel_values, position_ids)
-    predicted = 2 * transient_bytes_per_item(pixel_values.shape[1], config, dtype=dtype)
+    path = planner_check.stock_path()
+    predicted = 2 * transient_bytes_per_item(pixel_values.shape[1], config, path=path, dtype=dtype)
     assert measured <= predicted, f"{name}: model {predicted} B below the measured peak {measured} B"
-    if tolerance is not None:
+    if tolerance is not None and path == "fused":  # vLLM's one-hot price is meant to over-count
         assert predicted <= (1 + tolerance) * measured, f"{name}: model {predicted} B vs measured {measured} B"
 
 
@@ -291,8 +292,10 @@ def test_model_bounds_a_cpu_forward_at_real_dimensions(planner_check, two_layer_
     config, model = two_layer_26b_31b_tower
     pixel_values, position_ids = planner_check.make_inputs(config, items, soft_tokens, "cpu")
     measured = planner_check.measure_peak(model, pixel_values, position_ids)
-    predicted = items * transient_bytes_per_item(pixel_values.shape[1], config)
-    assert measured <= predicted <= 1.25 * measured
+    path, patches = planner_check.stock_path(), pixel_values.shape[1]
+    predicted = items * transient_bytes_per_item(patches, config, path=path)
+    row = planner_check.Row("item", path, patches, items, measured, predicted)
+    assert row.ok, row
 
 
 def test_planner_check_runs_on_the_cpu(planner_check, tmp_path):
@@ -302,7 +305,7 @@ def test_planner_check_runs_on_the_cpu(planner_check, tmp_path):
         ("image", 1), ("image", 4), ("image", 16), ("frame", 4), ("frame", 32)
     ]
     assert all(row["ok"] for row in results["rows"])
-    assert (tmp_path / "planner_check.csv").read_text().startswith("kind,patches_per_item,items,")
+    assert (tmp_path / "planner_check.csv").read_text().startswith("kind,path,patches_per_item,items,")
 
 
 def test_planner_check_arguments(planner_check, monkeypatch, tmp_path):
