@@ -4,7 +4,10 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
+
+from conftest import DEVICE
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,3 +40,22 @@ def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = (tmp_path / "hopper_compile.csv").read_text().splitlines()
     assert len(rows) > 30 and all(row.endswith(",ok") for row in rows[1:]), "\n".join(rows)
+
+
+def test_h200_script_dry_run(tmp_path):
+    """bench/h200.sh end to end at toy sizes: install, the four steps, and the files it hands back."""
+    env = dict(os.environ, TRITON_INTERPRET="1", H200_DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable)
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "h200.sh")], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    log = (tmp_path / "h200.log").read_text()
+    for step in ("gpu_checks", "bench", "planner_check", "gpu_tests"):
+        assert f"=== {step} took" in log and f"=== {step} FAILED" not in log, log
+    returned = sorted(path.name for path in tmp_path.iterdir())
+    bench_files = ["log.txt", "low_memory.csv", "results.csv", "results.md", "time.png"]
+    bench_files += ["memory.png"] if DEVICE.type == "cuda" else []  # peaks are measured on CUDA only
+    assert returned == sorted([*bench_files, "checks.tgz", "h200.log"])
+    with tarfile.open(tmp_path / "checks.tgz") as archive:
+        names = {Path(name).name for name in archive.getnames()}
+    assert {"gpu_checks.json", "planner_check.json", "planner_check.csv", "gpu_tests.xml"} <= names
