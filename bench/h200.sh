@@ -46,7 +46,9 @@ step() {  # step NAME COMMAND...: run, time and record one step without stopping
   echo "=== $name took $((SECONDS - start)) s"
 }
 
-"$python" -m pip install -q --no-deps --no-build-isolation -e . || exit 1
+# The device reaches no registry, so the install builds with the setuptools it has; where that cannot
+# build an editable wheel alone (setuptools < 70.1 without wheel), pip may fetch a newer one instead.
+"$python" -m pip install -q --no-deps --no-build-isolation -e . || "$python" -m pip install -q --no-deps -e . || exit 1
 "$python" -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 
