@@ -35,7 +35,7 @@ from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 
 from fused_vision.bench.tower import VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
-from fused_vision.gemma4 import _onehot_lookup
+from fused_vision.gemma4 import _planner_path as planner_path
 from fused_vision.planner import transient_bytes_per_item
 
 TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
@@ -62,11 +62,6 @@ CASES = {
 
 def vision_config(shape: dict, attn_implementation: str = "sdpa", **overrides) -> Gemma4VisionConfig:
     return Gemma4VisionConfig(**{**shape, **overrides}, attn_implementation=attn_implementation)
-
-
-def stock_path() -> str:
-    """The planner's path for this transformers' own tower: "onehot" for 5.5-5.9's embedder, else "fused"."""
-    return "onehot" if _onehot_lookup() else "fused"
 
 
 def build_model(config: Gemma4VisionConfig, device: torch.device | str, dtype: torch.dtype) -> Gemma4VisionModel:
@@ -173,7 +168,7 @@ class Row:
 
 def check(config: Gemma4VisionConfig, cases, device: torch.device, dtype: torch.dtype) -> list[Row]:
     model = build_model(config, device, dtype)
-    path = stock_path()
+    path = planner_path(model)
     rows = []
     for kind, soft_tokens, chunks in cases:
         for items in chunks:

@@ -446,20 +446,24 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
     return pixels, ids, stacked
 
 
+def _planner_path(tower: nn.Module) -> str:
+    """The planner's path for ``tower``: "onehot" prices the int64 one-hot of an unpatched 5.5-5.9
+    embedder, "fused" anything without it."""
+    onehot = getattr(tower.patch_embedder, _STATE, None) is None and _onehot_lookup()
+    return "onehot" if onehot else "fused"
+
+
 def _plan_chunk(
     num_items: int, patches_per_item: int, tower: nn.Module, device: torch.device, dtype: torch.dtype
 ) -> int:
     """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
     from . import planner
 
-    # "onehot" prices the int64 one-hot of an unpatched 5.5-5.9 embedder; "fused" anything without it
-    onehot = getattr(tower.patch_embedder, _STATE, None) is None and _onehot_lookup()
-    path = "onehot" if onehot else "fused"
     options = {}
     if getattr(tower.config, "_attn_implementation", None) not in (None, *planner.ATTENTION_IMPLEMENTATIONS):
         options["attn_implementation"] = "sdpa"  # flash-style kernels: no (N, N) scores, priced as sdpa
     return planner.plan(
-        num_items, patches_per_item, tower.config, path=path, device=device, dtype=dtype, **options
+        num_items, patches_per_item, tower.config, path=_planner_path(tower), device=device, dtype=dtype, **options
     )
 
 
