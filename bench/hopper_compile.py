@@ -1,14 +1,16 @@
 """Compile every Triton kernel for Hopper (sm_90a) with no GPU, at the launch configs a GPU gets, and
-report what each costs: shared memory, registers, spills.
+report what each costs: shared memory, registers, spills, and the matrix instruction its dots became.
 
     python bench/hopper_compile.py [--out DIR]
 
 Triton lowers to PTX on any machine and its bundled ptxas assembles it, so this catches what the CPU
 interpreter cannot: kernels that do not compile for the GPU, tiles that overflow shared memory, and
-register spills. The arguments are the launchers' own, captured from calls on small CPU tensors
-(B=2, N=63, D=1152, K=768), so the specialisations match a real launch. Exits 1 when a kernel does
-not compile, or when a kernel overflows shared memory or spills registers. Must run without
-TRITON_INTERPRET (it changes what @triton.jit builds).
+register spills, and a half-precision embedder GEMM that misses Hopper's asynchronous tensor cores
+(wgmma), which would cap it far below the GEMM floor. The arguments are the launchers' own, captured
+from calls on small CPU tensors (B=2, N=63, D=1152, K=768), so the specialisations match a real
+launch. Exits 1 when a kernel does not compile, overflows shared memory, spills registers, or (the
+bf16/fp16 embedder) builds no wgmma. Must run without TRITON_INTERPRET (it changes what @triton.jit
+builds).
 """
 
 import argparse
@@ -107,6 +109,15 @@ def ptxas_resources(ptx: str) -> tuple[int, int]:
     return registers, spills
 
 
+def matrix_instructions(ptx: str) -> str:
+    """The tensor-core instructions a kernel's dots became, e.g. "wgmma m64n128k16 bf16"; "none" for
+    a kernel without dots or with ieee fp32 dots, which run on the FMA units."""
+    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.", ptx)))
+    if shapes:
+        return " ".join(f"wgmma {shape} {dtype}" for shape, dtype in shapes)
+    return "mma.sync" if "mma.sync" in ptx else "none"
+
+
 def name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -159,7 +170,7 @@ def main() -> int:
 
     rows, failed = [], False
     for kernel_name, variant, kernel, launch_args, launch_kwargs in launches():
-        row = dict(kernel=kernel_name, variant=variant, shared_bytes="", registers="", spill_bytes="")
+        row = dict(kernel=kernel_name, variant=variant, shared_bytes="", registers="", spill_bytes="", mma="")
         try:
             compiled = compile_for_hopper(kernel, launch_args, launch_kwargs)
             registers, spills = ptxas_resources(compiled.asm["ptx"])
@@ -167,13 +178,15 @@ def main() -> int:
             row["status"] = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             failed = True
         else:
+            mma = matrix_instructions(compiled.asm["ptx"])
             fits = compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK and spills == 0
-            row |= dict(shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spills)
-            row["status"] = "ok" if fits else "DOES NOT FIT"
-            failed |= not fits
+            needs_wgmma = kernel_name == "patch_embed" and not variant.startswith("float32")
+            row |= dict(shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spills, mma=mma)
+            row["status"] = "DOES NOT FIT" if not fits else "NO WGMMA" if needs_wgmma and "wgmma" not in mma else "ok"
+            failed |= row["status"] != "ok"
         rows.append(row)
         print(f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
-              f"spills {row['spill_bytes']!s:>4}  {row['status']}", flush=True)
+              f"spills {row['spill_bytes']!s:>4}  {row['mma'] or '-':24} {row['status']}", flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "hopper_compile.csv", "w", newline="") as f:
