@@ -58,15 +58,19 @@ class Capture:
         return lambda *args, **kwargs: self.launches.append((args, kwargs))
 
 
-def capture_launch(module, attribute: str, call) -> tuple[tuple, dict]:
-    """The one launch ``call`` makes of ``module.attribute`` on the GPU's code path."""
-    capture = Capture()
+def capture_launches(module, attributes: tuple[str, ...], call) -> list[tuple[tuple, dict]]:
+    """The (args, kwargs) of the one launch ``call`` makes of each kernel (or autotuner) of ``module``
+    named in ``attributes``, in that order, on the GPU's code path."""
+    captures = [Capture() for _ in attributes]
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(module, "interpreting", lambda: False))
-        stack.enter_context(mock.patch.object(module, attribute, capture))
+        for attribute, capture in zip(attributes, captures):
+            stack.enter_context(mock.patch.object(module, attribute, capture))
         call()
-    (launch,) = capture.launches
-    return launch
+    for attribute, capture in zip(attributes, captures):
+        if len(capture.launches) != 1:
+            raise RuntimeError(f"{module.__name__}.{attribute}: expected one launch, got {len(capture.launches)}")
+    return [capture.launches[0] for capture in captures]
 
 
 def compile_for_hopper(kernel, args: tuple, kwargs: dict):
@@ -127,6 +131,11 @@ def tile(config: triton.Config) -> str:
     return f"{meta['BLOCK_M']}x{meta['BLOCK_D']}x{meta['BLOCK_K']}, {config.num_warps} warps, {config.num_stages} stages"
 
 
+def pool_tile(config: triton.Config) -> str:
+    meta = config.kwargs
+    return f"{meta['BLOCK_S']}x{meta['BLOCK_D']}x{meta['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+
+
 def launches():
     """(kernel, variant, jit function, args, kwargs) for every kernel and GPU launch config."""
     torch.manual_seed(0)
@@ -136,25 +145,31 @@ def launches():
         table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
         for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
             call = lambda: lookup_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
-            args, kwargs = capture_launch(lookup_kernels, "_position_embedding_kernel", call)
+            ((args, kwargs),) = capture_launches(lookup_kernels, ("_position_embedding_kernel",), call)
             variant = f"{name(dtype)}{' + residual' if residual is not None else ''}"
             yield "lookup", variant, lookup_kernels._position_embedding_kernel, args, kwargs
 
         grad = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: lookup_kernels.table_grad(grad, ids, padding, POSITIONS)  # noqa: E731
-        args, kwargs = capture_launch(lookup_kernels, "_table_grad_kernel", call)
+        ((args, kwargs),) = capture_launches(lookup_kernels, ("_table_grad_kernel",), call)
         yield "table_grad", name(dtype), lookup_kernels._table_grad_kernel, args, kwargs
 
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
-        args, kwargs = capture_launch(pooler_kernels, "_pool_by_positions_kernel", call)
-        yield "pool_by_positions", name(dtype), pooler_kernels._pool_by_positions_kernel, args, kwargs
+        kernels = ("_patch_slots_kernel", "_pool_by_positions_tuned")
+        slots_launch, (pool_args, pool_kwargs) = capture_launches(pooler_kernels, kernels, call)
+        if dtype == DTYPES[0]:  # the slot kernel never sees the hidden states
+            yield "patch_slots", "int64 ids", pooler_kernels._patch_slots_kernel, *slots_launch
+        for config in pooler_kernels.gpu_configs(dtype):
+            meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+            variant = f"{name(dtype)}, {pool_tile(config)}"
+            yield "pool_by_positions", variant, pooler_kernels._pool_by_positions_kernel, pool_args, pool_kwargs | meta
 
         weight = torch.randn(HIDDEN, FEATURES).to(dtype)
         for pixel_dtype in (torch.float32, torch.bfloat16) if dtype == torch.bfloat16 else (torch.float32,):
             pixels = torch.rand(BATCH, PATCHES, FEATURES).to(pixel_dtype)
             call = lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)  # noqa: E731
-            args, kwargs = capture_launch(patch_embed_kernels, "_patch_embed_tuned", call)
+            ((args, kwargs),) = capture_launches(patch_embed_kernels, ("_patch_embed_tuned",), call)
             for config in patch_embed_kernels.gpu_configs(dtype):
                 meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
                 variant = f"{name(dtype)}, {name(pixel_dtype)} pixels, {tile(config)}"

@@ -3,11 +3,18 @@
 pooled[b, s] = round_hidden(sum_{n: slot(b, n) == s} hidden[b, n] / k^2) * sqrt(D)    (fp32 result)
 slot(b, n)   = x // k + ((max_x(b) + 1) // k) * (y // k),   with (x, y) = clamp(position_ids[b, n], 0)
 
-A program owns BLOCK_S slots x BLOCK_D columns of one item. It scans the item's ids (small, L2-resident),
-builds the BLOCK_S x BLOCK_N slot-match matrix in registers and multiplies it into the hidden tile with
-a tensor-core dot, skipping chunks with no patch in its slots, so each hidden row is read about once.
-The sum order is fixed by the loop, so results are bit-identical across runs. Padding rows are loaded
-as zero (stock's masked_fill) but still count for the mask, as stock's one-hot weights do.
+Two launches:
+1. ``_patch_slots_kernel``, one program per item, writes each patch's slot as int32 (-1 for padding, whose
+   hidden state stock zeroes), the first and last patch of every slot, the mask of filled slots (padding
+   counts, as in stock's one-hot) and the item's count of patches beyond the L slots: 4 bytes per patch
+   and 8 per slot of scratch.
+2. ``_pool_by_positions_kernel``: a program owns BLOCK_S slots x BLOCK_D columns of one item and walks
+   only the patches between its slots' first and last, building the BLOCK_S x BLOCK_N slot-match matrix
+   in registers and multiplying it into the hidden tile with a tensor-core dot. In the processors' row-major
+   patch order that span is about BLOCK_S * k * k patches, so each hidden row is read about once and no
+   program scans the whole item; any other order is still exact, just slower.
+The sum order is fixed by the loop, so results are bit-identical across runs; the atomics of launch 1 only
+take minima and maxima of integers, which no order changes.
 """
 
 import math
@@ -20,27 +27,80 @@ from .common import TORCH_TO_TL, interpreting, round_to
 
 
 @triton.jit
-def _pool_by_positions_kernel(
-    hidden_ptr,
+def _patch_slots_kernel(
     ids_ptr,
     padding_ptr,
-    pooled_ptr,
+    codes_ptr,
+    bounds_ptr,
     mask_ptr,
     overflow_ptr,
     seq_len,
-    hidden,
     output_length,
     k,
-    inv_k_squared,
-    scale,
-    stride_hidden_b,
-    stride_hidden_n,
-    stride_hidden_d,
     stride_ids_b,
     stride_ids_n,
     stride_ids_axis,
     stride_padding_b,
     stride_padding_n,
+    BLOCK_N: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    item = tl.program_id(0).to(tl.int64)
+    ids_item = ids_ptr + item * stride_ids_b
+    bounds_item = bounds_ptr + item * output_length * 2
+    mask_item = mask_ptr + item * output_length
+
+    # The item's width in positions, then an empty span and mask for each of its slots.
+    max_x = tl.zeros((BLOCK_N,), dtype=tl.int64)
+    for n0 in range(0, seq_len, BLOCK_N):
+        patches = n0 + tl.arange(0, BLOCK_N)
+        x = tl.load(ids_item + patches * stride_ids_n, mask=patches < seq_len, other=0).to(tl.int64)
+        max_x = tl.maximum(max_x, x)
+    slots_per_row = (tl.max(max_x, axis=0) + 1) // k
+    for s0 in range(0, output_length, BLOCK_S):
+        slots = s0 + tl.arange(0, BLOCK_S)
+        slot_in = slots < output_length
+        tl.store(bounds_item + slots * 2, tl.full((BLOCK_S,), seq_len, tl.int32), mask=slot_in)
+        tl.store(bounds_item + slots * 2 + 1, tl.full((BLOCK_S,), -1, tl.int32), mask=slot_in)
+        tl.store(mask_item + slots, tl.zeros((BLOCK_S,), tl.uint8), mask=slot_in)
+    tl.debug_barrier()  # the atomics and mask stores below may hit entries other threads initialised
+
+    overflow = tl.zeros((BLOCK_N,), dtype=tl.int32)
+    for n0 in range(0, seq_len, BLOCK_N):
+        patches = n0 + tl.arange(0, BLOCK_N)
+        patch_in = patches < seq_len
+        ids_row = ids_item + patches * stride_ids_n
+        x = tl.maximum(tl.load(ids_row, mask=patch_in, other=0).to(tl.int64), 0)
+        y = tl.maximum(tl.load(ids_row + stride_ids_axis, mask=patch_in, other=0).to(tl.int64), 0)
+        slot = x // k + slots_per_row * (y // k)
+        in_slots = patch_in & (slot < output_length)
+        overflow += (patch_in & ~in_slots).to(tl.int32)
+        padding_row = padding_ptr + item * stride_padding_b + patches * stride_padding_n
+        padding = tl.load(padding_row, mask=patch_in, other=1) != 0
+        summed = in_slots & ~padding
+        slot = tl.where(in_slots, slot, 0).to(tl.int32)  # a safe address where the masks are off
+        tl.store(codes_ptr + item * seq_len + patches, tl.where(summed, slot, -1), mask=patch_in)
+        tl.atomic_min(bounds_item + slot * 2, patches, mask=summed, sem="relaxed")
+        tl.atomic_max(bounds_item + slot * 2 + 1, patches, mask=summed, sem="relaxed")
+        tl.store(mask_item + slot, tl.full((BLOCK_N,), 1, tl.uint8), mask=in_slots)
+    tl.store(overflow_ptr + item, tl.sum(overflow, axis=0))
+
+
+@triton.jit
+def _pool_by_positions_kernel(
+    hidden_ptr,
+    codes_ptr,
+    bounds_ptr,
+    overflow_ptr,
+    pooled_ptr,
+    seq_len,
+    hidden,
+    output_length,
+    inv_k_squared,
+    scale,
+    stride_hidden_b,
+    stride_hidden_n,
+    stride_hidden_d,
     DTYPE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -50,63 +110,69 @@ def _pool_by_positions_kernel(
     item = tl.program_id(2).to(tl.int64)
     slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    slot_in = slots < output_length
     col_in = cols < hidden
-    ids_item = ids_ptr + item * stride_ids_b
+    codes_item = codes_ptr + item * seq_len
+    hidden_item = hidden_ptr + item * stride_hidden_b
 
-    # Pass 1: the item's width in positions.
-    max_x = tl.zeros((BLOCK_N,), dtype=tl.int64)
-    for n0 in range(0, seq_len, BLOCK_N):
-        patches = n0 + tl.arange(0, BLOCK_N)
-        x = tl.load(ids_item + patches * stride_ids_n, mask=patches < seq_len, other=0).to(tl.int64)
-        max_x = tl.maximum(max_x, x)
-    slots_per_row = (tl.max(max_x, axis=0) + 1) // k
+    bounds = bounds_ptr + item * output_length * 2 + slots * 2
+    start = tl.min(tl.load(bounds, mask=slot_in, other=seq_len), axis=0)
+    stop = tl.max(tl.load(bounds + 1, mask=slot_in, other=-1), axis=0) + 1
 
-    # Pass 2: sum the hidden rows of each slot.
     acc = tl.zeros((BLOCK_S, BLOCK_D), dtype=tl.float32)
-    count = tl.zeros((BLOCK_S,), dtype=tl.int32)
-    overflow = tl.zeros((BLOCK_N,), dtype=tl.int32)
-    for n0 in range(0, seq_len, BLOCK_N):
+    for n0 in range(start, stop, BLOCK_N):
         patches = n0 + tl.arange(0, BLOCK_N)
-        patch_in = patches < seq_len
-        ids_row = ids_item + patches * stride_ids_n
-        x = tl.maximum(tl.load(ids_row, mask=patch_in, other=0).to(tl.int64), 0)
-        y = tl.maximum(tl.load(ids_row + stride_ids_axis, mask=patch_in, other=0).to(tl.int64), 0)
-        patch_slot = x // k + slots_per_row * (y // k)
-        overflow += (patch_in & (patch_slot >= output_length)).to(tl.int32)
-        match = (patch_slot[None, :] == slots[:, None]) & patch_in[None, :]
-        count += tl.sum(match.to(tl.int32), axis=1)
+        codes = tl.load(codes_item + patches, mask=patches < stop, other=-1)
+        match = codes[None, :] == slots[:, None]
+        # Rows no slot of this program takes (padding among them) are not read: their zeros add nothing.
         hit = tl.max(match.to(tl.int32), axis=0) != 0
-        if tl.max(hit.to(tl.int32), axis=0) != 0:
-            padding = tl.load(
-                padding_ptr + item * stride_padding_b + patches * stride_padding_n, mask=patch_in, other=1
-            ) != 0
-            load = hit & ~padding
-            rows = tl.load(
-                hidden_ptr
-                + item * stride_hidden_b
-                + patches[:, None] * stride_hidden_n
-                + cols[None, :] * stride_hidden_d,
-                mask=load[:, None] & col_in[None, :],
-                other=0.0,
-            )
-            if DOT_IN_FP32:  # fp32 hidden states, or the interpreter, which has no bf16 dot
-                acc = tl.dot(match.to(tl.float32), rows.to(tl.float32), acc, input_precision="ieee")
-            else:  # a 0/1 matrix and bf16/fp16 rows are exact operands; the sum is fp32
-                acc = tl.dot(match.to(DTYPE), rows, acc)
+        rows = tl.load(
+            hidden_item + patches[:, None] * stride_hidden_n + cols[None, :] * stride_hidden_d,
+            mask=hit[:, None] & col_in[None, :],
+            other=0.0,
+        )
+        if DOT_IN_FP32:  # fp32 hidden states, or the interpreter, which has no bf16 dot
+            acc = tl.dot(match.to(tl.float32), rows.to(tl.float32), acc, input_precision="ieee")
+        else:  # a 0/1 matrix and bf16/fp16 rows are exact operands; the sum is fp32
+            acc = tl.dot(match.to(DTYPE), rows, acc)
 
     # Stock averages in fp32, rounds to the hidden dtype, then scales by sqrt(D) in fp32.
     pooled = round_to(acc * inv_k_squared, DTYPE).to(tl.float32) * scale
-    # Every program scanned the whole item: if any patch fell outside the L slots (which the host
-    # raises on unless its checks are off), the item's pooled values are NaN rather than short a patch.
-    item_overflows = tl.sum(overflow, axis=0) > 0
-    pooled = tl.where(item_overflows, float("nan"), pooled)
-    slot_in = slots < output_length
+    # If any patch fell outside the L slots (which the host raises on unless its checks are off), the
+    # item's pooled values are NaN rather than short a patch.
+    pooled = tl.where(tl.load(overflow_ptr + item) > 0, float("nan"), pooled)
     out_offsets = item * output_length * hidden + slots[:, None].to(tl.int64) * hidden + cols[None, :]
     tl.store(pooled_ptr + out_offsets, pooled, mask=slot_in[:, None] & col_in[None, :])
-    if tl.program_id(1) == 0:
-        tl.store(mask_ptr + item * output_length + slots, (count > 0).to(tl.uint8), mask=slot_in)
-        if tl.program_id(0) == 0:
-            tl.store(overflow_ptr + item, tl.sum(overflow, axis=0))
+
+
+def _configs(tiles):
+    return [
+        triton.Config({"BLOCK_S": bs, "BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=s)
+        for bs, bn, bd, w, s in tiles
+    ]
+
+
+# Each fits sm_90 without register spills (bench/hopper_compile.py checks); fp32 hidden states take
+# ieee dots on the FMA units, whose operands need smaller tiles.
+_HALF_CONFIGS = _configs([(64, 64, 128, 4, 3), (64, 64, 256, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3)])
+_FP32_CONFIGS = _configs([(64, 64, 64, 4, 2), (64, 64, 128, 8, 2), (32, 64, 128, 4, 2)])
+
+
+def gpu_configs(hidden_dtype: torch.dtype) -> list[triton.Config]:
+    """The autotune candidates for a hidden-state dtype."""
+    return _FP32_CONFIGS if hidden_dtype == torch.float32 else _HALF_CONFIGS
+
+
+def _candidates(configs, named_args, **kwargs):
+    return gpu_configs(named_args["hidden_ptr"].dtype)
+
+
+# Tuned per (D, L): the slots per item set how many programs share an item, the best tile follows.
+_pool_by_positions_tuned = triton.autotune(
+    configs=_HALF_CONFIGS + _FP32_CONFIGS,
+    key=["hidden", "output_length"],
+    prune_configs_by={"early_config_prune": _candidates},
+)(_pool_by_positions_kernel)
 
 
 def pool_by_positions(
@@ -128,33 +194,48 @@ def pool_by_positions(
     overflow = torch.empty((batch,), dtype=torch.int32, device=device)
     if pooled.numel() == 0:
         return pooled, mask.zero_(), overflow.zero_()
-    if interpreting():
-        block_s, block_n, block_d, num_warps = 32, 64, triton.next_power_of_2(hidden), 1
-    else:
-        # 8 warps: at 4, the fp32 (ieee) dot's 64 x 128 accumulator and operands spill registers.
-        block_s, block_n, block_d, num_warps = 64, 64, min(128, triton.next_power_of_2(hidden)), 8
-    grid = (triton.cdiv(output_length, block_s), triton.cdiv(hidden, block_d), batch)
-    _pool_by_positions_kernel[grid](
-        hidden_states,
+    codes = torch.empty((batch, seq_len), dtype=torch.int32, device=device)
+    bounds = torch.empty((batch, output_length, 2), dtype=torch.int32, device=device)
+    # One program per item: wide blocks keep its three passes short.
+    _patch_slots_kernel[(batch,)](
         position_ids,
         padding_positions.view(torch.uint8),
-        pooled,
+        codes,
+        bounds,
         mask.view(torch.uint8),
         overflow,
         seq_len,
-        hidden,
         output_length,
         k,
+        *position_ids.stride(),
+        *padding_positions.stride(),
+        BLOCK_N=min(1024, triton.next_power_of_2(seq_len)),
+        BLOCK_S=min(1024, triton.next_power_of_2(output_length)),
+        num_warps=4,
+    )
+
+    args = (
+        hidden_states,
+        codes,
+        bounds,
+        overflow,
+        pooled,
+        seq_len,
+        hidden,
+        output_length,
         1.0 / (k * k),
         math.sqrt(hidden),
         *hidden_states.stride(),
-        *position_ids.stride(),
-        *padding_positions.stride(),
-        DTYPE=TORCH_TO_TL[hidden_states.dtype],
-        DOT_IN_FP32=hidden_states.dtype == torch.float32 or interpreting(),
-        BLOCK_S=block_s,
-        BLOCK_N=block_n,
-        BLOCK_D=block_d,
-        num_warps=num_warps,
     )
+    dtype = TORCH_TO_TL[hidden_states.dtype]
+
+    def grid(meta):
+        return (triton.cdiv(output_length, meta["BLOCK_S"]), triton.cdiv(hidden, meta["BLOCK_D"]), batch)
+
+    if interpreting():
+        # Fixed large tiles: the interpreter pays per program, and autotuning needs a GPU.
+        block_d = triton.next_power_of_2(hidden)
+        _pool_by_positions_kernel[grid](*args, DTYPE=dtype, DOT_IN_FP32=True, BLOCK_S=32, BLOCK_N=64, BLOCK_D=block_d)
+    else:
+        _pool_by_positions_tuned[grid](*args, DTYPE=dtype, DOT_IN_FP32=hidden_states.dtype == torch.float32)
     return pooled, mask, overflow

@@ -1,8 +1,8 @@
 """The tile shapes the launchers pick on a GPU, run here under the interpreter.
 
-CPU runs use the interpreter's own large tiles, so without this the GPU tiles (and the patch embedder's
-autotune configs) would first meet a test on the GPU. The interpreter has no bf16 dot, so the embedder's
-GPU path is checked in fp16 and fp32.
+CPU runs use the interpreter's own large tiles, so without this the GPU tiles (and the autotune configs
+of the patch embedder and the pooler) would first meet a test on the GPU. The interpreter has no bf16 dot,
+so the GPU paths of the dots are checked in fp16 and fp32.
 """
 
 import pytest
@@ -37,49 +37,66 @@ def test_lookup_gpu_tiles(poisoned, gpu_tiles):
     assert_bit_identical(fused_vision.position_embeddings(table, ids, residual=residual, backend="triton"), expected)
 
 
-def test_pooler_gpu_tiles(poisoned, gpu_tiles):
-    hidden_states, ids, padding = make_batch([(30, 24), (12, 9)], 3, 80, 200, torch.float16)  # 80 slots: 2 blocks
-    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 80, backend="triton")
-    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 80)
-    assert_bit_identical(mask, expected_mask, "mask")
-    assert_close(pooled, expected, atol=2**-10 * 200**0.5, rtol=2**-10)
-
-
 class _FixedConfig:
-    """Stands in for the autotuner: launches the kernel with one of its configs."""
+    """Stands in for an autotuner: launches its kernel with one of its configs."""
 
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, kernel, config):
+        self.kernel, self.config = kernel, config
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             meta = dict(self.config.kwargs, num_warps=self.config.num_warps, num_stages=self.config.num_stages)
-            return patch_embed_kernels._patch_embed_kernel[lambda _: grid(meta)](*args, **kwargs, **meta)
+            return self.kernel[lambda _: grid(meta)](*args, **kwargs, **meta)
 
         return launch
 
 
-AUTOTUNE_CANDIDATES = [
-    (dtype, config) for dtype in (torch.float16, torch.float32) for config in patch_embed_kernels.gpu_configs(dtype)
-]
+def candidates(module):
+    return [(dtype, config) for dtype in (torch.float16, torch.float32) for config in module.gpu_configs(dtype)]
 
 
-@pytest.mark.parametrize("dtype,config", AUTOTUNE_CANDIDATES, ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else str(v))
+def candidate_id(value):
+    return dtype_id(value) if isinstance(value, torch.dtype) else str(value)
+
+
+@pytest.mark.parametrize("dtype,config", candidates(pooler_kernels), ids=candidate_id)
+def test_pooler_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
+    tuned = _FixedConfig(pooler_kernels._pool_by_positions_kernel, config)
+    monkeypatch.setattr(pooler_kernels, "_pool_by_positions_tuned", tuned)
+    # 160 slots over two items: partial slot and column blocks, a padded tail, patch spans that cross blocks.
+    hidden_states, ids, padding = make_batch([(36, 36), (15, 12)], 3, 160, 200, dtype)
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 160, backend="triton")
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 160)
+    assert_bit_identical(mask, expected_mask, "mask")
+    tol = 2**-10 if dtype == torch.float16 else 1e-6
+    assert_close(pooled, expected, atol=tol * 200**0.5, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype,config", candidates(patch_embed_kernels), ids=candidate_id)
 def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
-    monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", _FixedConfig(config))
+    tuned = _FixedConfig(patch_embed_kernels._patch_embed_kernel, config)
+    monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", tuned)
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
     assert_matches_stock(actual, pixels, weight, table, ids)
 
 
+@pytest.mark.parametrize(
+    "module,tuner,pointer",
+    [
+        (patch_embed_kernels, "_patch_embed_tuned", "weight_ptr"),
+        (pooler_kernels, "_pool_by_positions_tuned", "hidden_ptr"),
+    ],
+    ids=["patch_embed", "pooler"],
+)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_id)
-def test_autotuner_offers_the_candidates_of_the_weight_dtype(dtype):
-    """On a GPU the autotuner prunes its list to the weight dtype's spill-free candidates."""
-    tuner = patch_embed_kernels._patch_embed_tuned
+def test_autotuner_offers_the_candidates_of_the_dtype(module, tuner, pointer, dtype):
+    """On a GPU each autotuner prunes its list to the spill-free candidates of its operand dtype."""
+    tuner = getattr(module, tuner)
     tuner.nargs = dict(zip(tuner.arg_names, [torch.empty(0)] * len(tuner.arg_names)))
-    tuner.nargs["weight_ptr"] = torch.empty(0, dtype=dtype)
+    tuner.nargs[pointer] = torch.empty(0, dtype=dtype)
     try:
         offered = tuner.prune_configs({})
     finally:
         tuner.nargs = None
-    assert offered == patch_embed_kernels.gpu_configs(dtype)
+    assert offered == module.gpu_configs(dtype)

@@ -60,6 +60,22 @@ def test_int32_ids_and_strided_hidden(poisoned, backend):
     assert_close(pooled, expected, atol=2**-7 * 48**0.5, rtol=2**-7)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_padding_rows_at_real_positions(poisoned, backend):
+    """A padding flag zeroes its row (NaN there must not leak) yet its slot still counts as filled, as
+    in stock's one-hot: here one slot holds only padding and another a mix."""
+    hidden_states, ids, padding = make_batch([(6, 9), (9, 3)], 3, 6, 48, torch.float16)
+    x, y = ids[0, :, 0], ids[0, :, 1]
+    padding[0] |= (x >= 0) & (x < 3) & (y < 3)  # all of slot 0
+    padding[0] |= (x == 4) & (y == 7)  # one patch of slot 5
+    hidden_states[padding] = float("nan")
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 6, backend=backend)
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 6)
+    assert expected_mask[0, 0] and (expected[0, 0] == 0).all()
+    assert_bit_identical(mask, expected_mask, "mask")
+    assert_close(pooled, expected, atol=2**-10 * 48**0.5, rtol=2**-10)
+
+
 def test_repeated_runs_are_bit_identical():
     hidden_states, ids, padding = make_batch([(12, 9), (9, 6)], 3, 12, 64, torch.bfloat16)
     first = fused_vision.pool_by_positions(hidden_states, ids, padding, 12, backend="triton")
