@@ -30,6 +30,7 @@ checks="$(mktemp -d)"
 mkdir -p "$out"
 exec > >(tee "$out/h200.log") 2>&1
 export PYTHONUNBUFFERED=1
+export TRITON_PRINT_AUTOTUNING=1  # the log keeps each key's winning tile, to prune the candidates later
 
 status=0
 step() {  # step NAME COMMAND...: run, time and record one step without stopping the others
