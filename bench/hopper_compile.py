@@ -4,13 +4,13 @@ report what each costs: shared memory, registers, spills, and the matrix instruc
     python bench/hopper_compile.py [--out DIR]
 
 Triton lowers to PTX on any machine and its bundled ptxas assembles it, so this catches what the CPU
-interpreter cannot: kernels that do not compile for the GPU, tiles that overflow shared memory, and
+interpreter cannot: kernels that do not compile for the GPU, tiles that overflow shared memory,
 register spills, and a half-precision embedder GEMM that misses Hopper's asynchronous tensor cores
 (wgmma), which would cap it far below the GEMM floor. The arguments are the launchers' own, captured
-from calls on small CPU tensors (B=2, N=63, D=1152, K=768), so the specialisations match a real
-launch. Exits 1 when a kernel does not compile, overflows shared memory, spills registers, or (the
-bf16/fp16 embedder) builds no wgmma. Must run without TRITON_INTERPRET (it changes what @triton.jit
-builds).
+from calls on small CPU tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow
+with N, at N=2520 and 10080), so the specialisations match a real launch. Exits 1 when a kernel does
+not compile, overflows shared memory, spills registers, or (the bf16/fp16 embedder) builds no wgmma.
+Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
 """
 
 import argparse
@@ -46,6 +46,7 @@ POINTER_TYPES = {
 }
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BATCH, PATCHES, HIDDEN, FEATURES, POSITIONS = 2, 63, 1152, 768, 64
+POOLER_KERNELS = ("_patch_slots_kernel", "_pool_by_positions_tuned")
 
 
 class Capture:
@@ -141,6 +142,14 @@ def launches():
     torch.manual_seed(0)
     ids = torch.randint(0, POSITIONS, (BATCH, PATCHES, 2))
     padding = reference.default_padding_positions(ids)
+    # The slot pass's blocks grow with N and L, and it never sees the hidden states: real image sizes.
+    for seq_len, output_length in ((2520, 280), (10080, 1120)):
+        item_ids = torch.randint(0, POSITIONS, (1, seq_len, 2))
+        item_padding = reference.default_padding_positions(item_ids)
+        hidden_states = torch.randn(1, seq_len, 16)
+        call = lambda: pooler_kernels.pool_by_positions(hidden_states, item_ids, item_padding, output_length, 3)  # noqa: E731
+        (args, kwargs), _ = capture_launches(pooler_kernels, POOLER_KERNELS, call)
+        yield "patch_slots", f"N={seq_len}, L={output_length}", pooler_kernels._patch_slots_kernel, args, kwargs
     for dtype in DTYPES:
         table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
         for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
@@ -156,10 +165,7 @@ def launches():
 
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
-        kernels = ("_patch_slots_kernel", "_pool_by_positions_tuned")
-        slots_launch, (pool_args, pool_kwargs) = capture_launches(pooler_kernels, kernels, call)
-        if dtype == DTYPES[0]:  # the slot kernel never sees the hidden states
-            yield "patch_slots", "int64 ids", pooler_kernels._patch_slots_kernel, *slots_launch
+        _, (pool_args, pool_kwargs) = capture_launches(pooler_kernels, POOLER_KERNELS, call)
         for config in pooler_kernels.gpu_configs(dtype):
             meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
             variant = f"{name(dtype)}, {pool_tile(config)}"
