@@ -166,6 +166,10 @@ def launches():
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
         _, (pool_args, pool_kwargs) = capture_launches(pooler_kernels, POOLER_KERNELS, call)
+        grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
+        call = lambda: pooler_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
+        _, (args, kwargs) = capture_launches(pooler_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call)
+        yield "pool_backward", name(dtype), pooler_kernels._hidden_states_grad_kernel, args, kwargs
         for config in pooler_kernels.gpu_configs(dtype):
             meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
             variant = f"{name(dtype)}, {pool_tile(config)}"

@@ -54,22 +54,58 @@ def _(hidden_states, position_ids, padding_positions, output_length, backend):
     return pooled, padding_positions.new_empty((batch, output_length))
 
 
+def _triton_backward(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype):
+    from .kernels.pooler import hidden_states_grad as launch
+
+    seq_len = position_ids.shape[1]
+    if seq_len == output_length:  # no pooling: a scale and a mask, nothing for a kernel to fuse
+        return reference.pool_by_positions_backward(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype)
+    k = reference.pooling_kernel_size(seq_len, output_length)
+    return launch(grad_pooled, position_ids, padding_positions, k, hidden_dtype)
+
+
+@torch.library.custom_op("fused_vision::pool_by_positions_backward", mutates_args=())
+def pool_by_positions_backward(
+    grad_pooled: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length: int,
+    hidden_dtype: torch.dtype,
+    backend: str,
+) -> torch.Tensor:
+    """The (B, N, D) gradient of ``pool_by_positions``'s hidden states from its pooled output's, in
+    ``hidden_dtype``: bit-identical to autograd through the stock pooler."""
+    return dispatch(
+        "pool_by_positions_backward",
+        backend,
+        grad_pooled.device,
+        _triton_backward,
+        reference.pool_by_positions_backward,
+        grad_pooled,
+        position_ids,
+        padding_positions,
+        output_length,
+        hidden_dtype,
+    )
+
+
+@pool_by_positions_backward.register_fake
+def _(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype, backend):
+    return grad_pooled.new_empty((*position_ids.shape[:2], grad_pooled.shape[2]), dtype=hidden_dtype)
+
+
 def _setup_context(ctx, inputs, output):
     hidden_states, position_ids, padding_positions, output_length, backend = inputs
     ctx.save_for_backward(position_ids, padding_positions)
-    ctx.output_length, ctx.hidden_dtype = output_length, hidden_states.dtype
+    ctx.output_length, ctx.hidden_dtype, ctx.backend = output_length, hidden_states.dtype, backend
 
 
 def _backward(ctx, grad_pooled, grad_mask):
-    """Stock autograd's chain: the fp32 scale, the two dtype casts, the 1/k^2 weights, the masked_fill."""
     position_ids, padding_positions = ctx.saved_tensors
-    seq_len, hidden = position_ids.shape[1], grad_pooled.shape[2]
-    grad = (grad_pooled * hidden**0.5).to(ctx.hidden_dtype)
-    if seq_len != ctx.output_length:
-        k = reference.pooling_kernel_size(seq_len, ctx.output_length)
-        slots = reference.pooling_slots(position_ids, k).unsqueeze(-1).expand(-1, -1, hidden)
-        grad = (grad.float().gather(1, slots) * (1.0 / (k * k))).to(ctx.hidden_dtype)
-    return grad.masked_fill(padding_positions.unsqueeze(-1), 0.0), None, None, None, None
+    grad = pool_by_positions_backward(
+        grad_pooled, position_ids, padding_positions, ctx.output_length, ctx.hidden_dtype, ctx.backend
+    )
+    return grad, None, None, None, None
 
 
 _pool_by_positions_op.register_autograd(_backward, setup_context=_setup_context)

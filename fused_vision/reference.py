@@ -138,6 +138,28 @@ def pool_by_positions(
     return pooled.float() * hidden**0.5, counts > 0
 
 
+def pool_by_positions_backward(
+    grad_pooled: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length: int,
+    hidden_dtype: torch.dtype,
+) -> torch.Tensor:
+    """The hidden states' gradient of ``onehot_pool_by_positions``, rounded as stock autograd rounds it.
+
+    Stock's chain, backwards: the fp32 sqrt(D) scale, the casts to the hidden dtype around the fp32
+    one-hot matmul (whose one nonzero term per patch is an exact 1/k^2 product), the masked_fill. The
+    (B, N, D) result is bit-identical to autograd through the stock pooler.
+    """
+    seq_len, hidden = position_ids.shape[1], grad_pooled.shape[2]
+    grad = (grad_pooled * hidden**0.5).to(hidden_dtype)
+    if seq_len != output_length:
+        k = pooling_kernel_size(seq_len, output_length)
+        slots = pooling_slots(position_ids, k).unsqueeze(-1).expand(-1, -1, hidden)
+        grad = (grad.float().gather(1, slots) * (1.0 / (k * k))).to(hidden_dtype)
+    return grad.masked_fill(padding_positions.unsqueeze(-1), 0.0)
+
+
 def position_embeddings_table_grad(
     grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
 ) -> torch.Tensor:

@@ -15,6 +15,18 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_D, num_warps) for the kernels that gather rows into a (B, N, D) output.
+
+    They are bound by that write: 128-column tiles keep the stores wide and leave enough programs to
+    fill the chip at real sizes (80,640 x 1152 gives 22,680). The interpreter pays per program, so it
+    gets the largest tiles instead.
+    """
+    if interpreted:
+        return 64, triton.next_power_of_2(hidden), 1
+    return 32, min(128, triton.next_power_of_2(hidden)), 4
+
+
 @triton.jit
 def round_to_bf16(x):
     """fp32 -> bf16 with round-to-nearest-even.

@@ -15,6 +15,10 @@ Two launches:
    program scans the whole item; any other order is still exact, just slower.
 The sum order is fixed by the loop, so results are bit-identical across runs; the atomics of launch 1 only
 take minima and maxima of integers, which no order changes.
+
+The backward reruns launch 1 for the slots and gathers each patch's row of the pooled gradient
+(``_hidden_states_grad_kernel``): one (B, N, D) write in the hidden dtype, where stock autograd first
+writes an fp32 (B, N, D) matmul output.
 """
 
 import math
@@ -23,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, interpreting, round_to
+from .common import TORCH_TO_TL, gather_launch_config, interpreting, round_to
 
 
 @triton.jit
@@ -145,6 +149,42 @@ def _pool_by_positions_kernel(
     tl.store(pooled_ptr + out_offsets, pooled, mask=slot_in[:, None] & col_in[None, :])
 
 
+@triton.jit
+def _hidden_states_grad_kernel(
+    grad_pooled_ptr,
+    codes_ptr,
+    grad_hidden_ptr,
+    num_rows,
+    seq_len,
+    hidden,
+    inv_k_squared,
+    scale,
+    stride_grad_b,
+    stride_grad_s,
+    stride_grad_d,
+    DTYPE: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """grad_hidden[b, n] = round(round(grad_pooled[b, slot(b, n)] * sqrt(D)) * (1 / k^2)) for summed patches,
+    0 for padding: stock autograd's roundings, whose one-hot matmul has one nonzero term per patch."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    row_in = rows < num_rows
+    col_in = cols < hidden
+    slot = tl.load(codes_ptr + rows, mask=row_in, other=-1)
+    taken = row_in & (slot >= 0)
+    batch = rows // seq_len
+    grad = tl.load(
+        grad_pooled_ptr + batch[:, None] * stride_grad_b + slot[:, None] * stride_grad_s + cols[None, :] * stride_grad_d,
+        mask=taken[:, None] & col_in[None, :],
+        other=0.0,
+    ).to(tl.float32)
+    grad = round_to(grad * scale, DTYPE).to(tl.float32)
+    grad = round_to(grad * inv_k_squared, DTYPE)
+    tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
+
+
 def _configs(tiles):
     return [
         triton.Config({"BLOCK_S": bs, "BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=s)
@@ -175,27 +215,23 @@ _pool_by_positions_tuned = triton.autotune(
 )(_pool_by_positions_kernel)
 
 
-def pool_by_positions(
-    hidden_states: torch.Tensor,
-    position_ids: torch.Tensor,
-    padding_positions: torch.Tensor,
-    output_length: int,
-    k: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the pooler on validated inputs with N = k * k * L, k > 1.
+def patch_slots(
+    position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the slot pass on validated inputs with N = k * k * L.
 
-    Returns (pooled fp32 (B, L, D), mask (B, L) bool, overflow (B,) int32: patches whose slot is >= L).
-    Items with overflowing patches come out NaN.
+    Returns (codes (B, N) int32: each patch's slot, -1 for padding and overflow; bounds (B, L, 2) int32:
+    each slot's first and last summed patch, (N, -1) when it has none; mask (B, L) bool: the slots any
+    patch falls in; overflow (B,) int32: patches whose slot is >= L).
     """
-    batch, seq_len, hidden = hidden_states.shape
-    device = hidden_states.device
-    pooled = torch.empty((batch, output_length, hidden), dtype=torch.float32, device=device)
-    mask = torch.empty((batch, output_length), dtype=torch.bool, device=device)
-    overflow = torch.empty((batch,), dtype=torch.int32, device=device)
-    if pooled.numel() == 0:
-        return pooled, mask.zero_(), overflow.zero_()
+    batch, seq_len, _ = position_ids.shape
+    device = position_ids.device
     codes = torch.empty((batch, seq_len), dtype=torch.int32, device=device)
     bounds = torch.empty((batch, output_length, 2), dtype=torch.int32, device=device)
+    mask = torch.empty((batch, output_length), dtype=torch.bool, device=device)
+    overflow = torch.empty((batch,), dtype=torch.int32, device=device)
+    if batch == 0:
+        return codes, bounds, mask, overflow
     # One program per item: wide blocks keep its three passes short.
     _patch_slots_kernel[(batch,)](
         position_ids,
@@ -213,7 +249,26 @@ def pool_by_positions(
         BLOCK_S=min(1024, triton.next_power_of_2(output_length)),
         num_warps=4,
     )
+    return codes, bounds, mask, overflow
 
+
+def pool_by_positions(
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length: int,
+    k: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the pooler on validated inputs with N = k * k * L, k > 1.
+
+    Returns (pooled fp32 (B, L, D), mask (B, L) bool, overflow (B,) int32: patches whose slot is >= L).
+    Items with overflowing patches come out NaN.
+    """
+    batch, seq_len, hidden = hidden_states.shape
+    pooled = torch.empty((batch, output_length, hidden), dtype=torch.float32, device=hidden_states.device)
+    codes, bounds, mask, overflow = patch_slots(position_ids, padding_positions, output_length, k)
+    if pooled.numel() == 0:
+        return pooled, mask, overflow
     args = (
         hidden_states,
         codes,
@@ -239,3 +294,39 @@ def pool_by_positions(
     else:
         _pool_by_positions_tuned[grid](*args, DTYPE=dtype, DOT_IN_FP32=hidden_states.dtype == torch.float32)
     return pooled, mask, overflow
+
+
+def hidden_states_grad(
+    grad_pooled: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    k: int,
+    hidden_dtype: torch.dtype,
+) -> torch.Tensor:
+    """Launch the pooler's backward on validated inputs with N = k * k * L, k > 1: a new (B, N, D)
+    tensor in ``hidden_dtype``, bit-identical to stock autograd's gradient."""
+    batch, output_length, hidden = grad_pooled.shape
+    seq_len = position_ids.shape[1]
+    grad_hidden = torch.empty((batch, seq_len, hidden), dtype=hidden_dtype, device=grad_pooled.device)
+    if grad_hidden.numel() == 0:
+        return grad_hidden
+    codes, *_ = patch_slots(position_ids, padding_positions, output_length, k)
+    num_rows = batch * seq_len
+    block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
+    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
+    _hidden_states_grad_kernel[grid](
+        grad_pooled,
+        codes,
+        grad_hidden,
+        num_rows,
+        seq_len,
+        hidden,
+        1.0 / (k * k),
+        math.sqrt(hidden),
+        *grad_pooled.stride(),
+        DTYPE=TORCH_TO_TL[hidden_dtype],
+        BLOCK_ROWS=block_rows,
+        BLOCK_D=block_d,
+        num_warps=num_warps,
+    )
+    return grad_hidden

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, interpreting, round_to
+from .common import TORCH_TO_TL, gather_launch_config, interpreting, round_to
 
 
 @triton.jit
@@ -127,19 +127,6 @@ def _position_embedding_kernel(
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], round_to(pe, OUT_DTYPE), mask=tile_in)
 
 
-def _launch_config(hidden: int) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_D, num_warps).
-
-    The op is bound by its (B, N, D) write: 128-column tiles keep the stores wide and leave enough
-    programs to fill the chip at real sizes (80,640 x 1152 gives 22,680). The interpreter pays per
-    program, so it gets the largest tiles instead.
-    """
-    if interpreting():
-        return 64, triton.next_power_of_2(hidden), 1
-    block_d = min(128, triton.next_power_of_2(hidden))
-    return 32, block_d, 4
-
-
 def position_embeddings(
     table: torch.Tensor,
     position_ids: torch.Tensor,
@@ -153,7 +140,7 @@ def position_embeddings(
     num_rows = batch * seq_len
     if out.numel() == 0:
         return out
-    block_rows, block_d, num_warps = _launch_config(hidden)
+    block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
     # A null residual still needs a pointer argument; HAS_RESIDUAL keeps it from being read.
     residual_arg = out if residual is None else residual
@@ -233,7 +220,7 @@ def table_grad(
     num_rows = batch * seq_len
     if num_rows == 0 or hidden == 0:
         return acc
-    block_rows, block_d, num_warps = _launch_config(hidden)
+    block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
     _table_grad_kernel[grid](
         grad,

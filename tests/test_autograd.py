@@ -86,11 +86,20 @@ def test_patch_embed_skips_the_pixel_gradient_unless_asked():
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
-@pytest.mark.parametrize("k,output_length", [(3, 12), (1, 108)], ids=["k3", "no_pooling"])
-def test_pool_by_positions_backward(backend, dtype, k, output_length):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize(
+    "k,output_length,strided_grad",
+    [(3, 12, False), (3, 12, True), (2, 30, False), (1, 108, False)],
+    ids=["k3", "k3_strided_grad", "k2", "no_pooling"],
+)
+def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, strided_grad):
+    """Stock's one-hot matmul has one nonzero term per patch, so its gradient is a scaled, rounded copy
+    of the slot's: the fused one must equal it bit for bit, padding rows (one at a real position) 0."""
     hidden_states, ids, padding = make_batch([(12, 9), (6, 6)], k, output_length, 40, dtype, shuffle=True)
+    padding[0, (ids[0] >= 0).all(-1).nonzero()[0]] = True
     grad_out = torch.randn(2, output_length, 40, device=DEVICE)
+    if strided_grad:
+        grad_out = torch.randn(output_length, 40, 2, device=DEVICE).permute(2, 0, 1)
 
     def fused(h):
         return fused_vision.pool_by_positions(h, ids, padding, output_length, backend=backend)
@@ -98,7 +107,9 @@ def test_pool_by_positions_backward(backend, dtype, k, output_length):
     def stock(h):
         return reference.onehot_pool_by_positions(h, ids, padding, output_length)
 
-    check_gradients(fused, stock, [hidden_states], grad_out, dtype, ["hidden_states"])
+    _, (actual,) = grads(fused, [hidden_states], grad_out)
+    _, (expected,) = grads(stock, [hidden_states], grad_out)
+    assert_bit_identical(actual, expected, "grad of hidden_states")
 
 
 def test_deterministic_table_gradient_is_reproducible():
@@ -142,6 +153,7 @@ def op_samples():
                          reference.default_padding_positions(pids), "auto")),
         ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, "auto")),
         ("position_embeddings_table_grad", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
+        ("pool_by_positions_backward", (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, "auto")),
     ]
 
 

@@ -13,6 +13,7 @@ from fused_vision import reference
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import pooler as pooler_kernels
 from fused_vision.kernels import position_embedding as lookup_kernels
+from fused_vision.pooler import pool_by_positions_backward
 
 from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
 from test_patch_embed import assert_matches_stock, make_inputs
@@ -35,6 +36,14 @@ def test_lookup_gpu_tiles(poisoned, gpu_tiles):
     residual = torch.randn(3, 50, 200, dtype=torch.bfloat16)
     expected = residual + reference.onehot_position_embeddings(table, ids, reference.default_padding_positions(ids))
     assert_bit_identical(fused_vision.position_embeddings(table, ids, residual=residual, backend="triton"), expected)
+
+
+def test_pooler_backward_gpu_tiles(poisoned, gpu_tiles):
+    hidden_states, ids, padding = make_batch([(30, 24), (12, 9)], 3, 80, 200, torch.bfloat16)  # 720 rows, D = 200
+    grad_pooled = torch.randn(2, 80, 200)
+    actual = pool_by_positions_backward(grad_pooled, ids, padding, 80, torch.bfloat16, "triton")
+    expected = reference.pool_by_positions_backward(grad_pooled, ids, padding, 80, torch.bfloat16)
+    assert_bit_identical(actual, expected, "grad of hidden_states")
 
 
 class _FixedConfig:

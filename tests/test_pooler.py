@@ -76,6 +76,15 @@ def test_padding_rows_at_real_positions(poisoned, backend):
     assert_close(pooled, expected, atol=2**-10 * 48**0.5, rtol=2**-10)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_zero_width_hidden_states_still_give_the_mask(backend):
+    hidden_states, ids, padding = make_batch([(6, 9), (3, 3)], 3, 6, 0, torch.bfloat16)
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 6, backend=backend)
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 6)
+    assert pooled.shape == expected.shape == (2, 6, 0)
+    assert_bit_identical(mask, expected_mask, "mask")
+
+
 def test_repeated_runs_are_bit_identical():
     hidden_states, ids, padding = make_batch([(12, 9), (9, 6)], 3, 12, 64, torch.bfloat16)
     first = fused_vision.pool_by_positions(hidden_states, ids, padding, 12, backend="triton")
