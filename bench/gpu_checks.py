@@ -6,6 +6,7 @@
 - the lookup with an output of more than 2**31 elements (int64 offsets) against the gather reference;
 - patch_embed's relative error against float64, next to stock's, in bf16, fp16, fp32;
 - the pooler against the one-hot pooler at image 32 x 280, and its run-to-run bit-identity;
+- the pooler's hidden-state gradient against autograd through the one-hot pooler, bit for bit;
 - the table gradient against the deterministic reference.
 Exits non-zero when any check fails; writes gpu_checks.json under --out. `--smoke` runs the same code at
 tiny sizes on any device (TRITON_INTERPRET=1 on a CPU), to test the script itself.
@@ -16,6 +17,7 @@ import json
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 
@@ -120,6 +122,20 @@ def check_pooler(device, results, batch, soft_tokens, hidden, **_):
     )
 
 
+def check_pooler_backward(device, results, batch, soft_tokens, hidden, **_):
+    ids = image_ids(batch, soft_tokens).to(device)
+    padding = reference.default_padding_positions(ids)
+    hidden_states = torch.randn(*ids.shape[:2], hidden, device=device, dtype=torch.bfloat16)
+    grad_pooled = torch.randn(batch, soft_tokens, hidden, device=device)
+    grads = []
+    for pool in (partial(fused_vision.pool_by_positions, backend="triton"), reference.onehot_pool_by_positions):
+        leaf = hidden_states.detach().requires_grad_(True)
+        pool(leaf, ids, padding, soft_tokens)[0].backward(grad_pooled)
+        grads.append(leaf.grad)
+    check = f"pooler_backward_bit_identical_B{batch}_N{ids.shape[1]}_D{hidden}_bf16"
+    results.append(dict(check=check, max_abs_diff=float((grads[0] - grads[1]).abs().max()), ok=bits_equal(*grads)))
+
+
 def check_table_grad(device, results, batch, soft_tokens, hidden, **_):
     ids = image_ids(batch, soft_tokens).to(device)
     table = torch.randn(2, P, hidden, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -141,7 +157,15 @@ def main():
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     results = []
-    for check in (check_lookup_real_shape, check_lookup_over_2_31, check_patch_embed, check_pooler, check_table_grad):
+    checks = (
+        check_lookup_real_shape,
+        check_lookup_over_2_31,
+        check_patch_embed,
+        check_pooler,
+        check_pooler_backward,
+        check_table_grad,
+    )
+    for check in checks:
         start = time.perf_counter()
         check(device, results, **(SMOKE_SIZES if args.smoke else SIZES))
         if device.type == "cuda":
