@@ -1,5 +1,5 @@
-"""Helpers shared by the kernels: dtype mapping, interpreter detection, rounding to the storage dtype
-(identical on GPUs and under TRITON_INTERPRET=1)."""
+"""Helpers shared by the kernels: dtype mapping, interpreter detection, launch configs, autotuning per
+operand dtype, rounding to the storage dtype (identical on GPUs and under TRITON_INTERPRET=1)."""
 
 import os
 
@@ -25,6 +25,28 @@ def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]
     if interpreted:
         return 64, triton.next_power_of_2(hidden), 1
     return 32, min(128, triton.next_power_of_2(hidden)), 4
+
+
+def configs(names: tuple[str, str, str], tiles) -> list[triton.Config]:
+    """triton.Configs from (block, block, block, num_warps, num_stages) rows, blocks named by ``names``."""
+    return [triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s) for *blocks, w, s in tiles]
+
+
+def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp32: list):
+    """``kernel`` autotuned over the candidates of one operand's dtype: ``half`` for bf16 and fp16,
+    ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free.
+
+    Returns the autotuner and ``gpu_configs(dtype)``, the candidates it offers for a dtype.
+    """
+
+    def gpu_configs(dtype: torch.dtype) -> list[triton.Config]:
+        return fp32 if dtype == torch.float32 else half
+
+    def candidates(configs, named_args, **kwargs):
+        return gpu_configs(named_args[dtype_of].dtype)
+
+    tuned = triton.autotune(configs=half + fp32, key=key, prune_configs_by={"early_config_prune": candidates})(kernel)
+    return tuned, gpu_configs
 
 
 @triton.jit

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, interpreting, round_to
+from .common import TORCH_TO_TL, autotune_per_dtype, configs, interpreting, round_to
 from .position_embedding import load_positions, position_embedding_tile
 
 
@@ -92,37 +92,23 @@ def _patch_embed_kernel(
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
 
 
-def _configs(tiles):
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_D": bd, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-        for bm, bd, bk, w, s in tiles
-    ]
-
-
 # Each fits sm_90's shared memory without register spills (bench/hopper_compile.py checks): the fp32
 # pixel tile and its conversion cost registers a plain bf16 GEMM would not spend, and fp32 weights
-# (ieee dots, as stock's fp32 linear) need smaller tiles still.
-_HALF_CONFIGS = _configs(
-    [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3), (256, 128, 32, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)]
-)
-_FP32_CONFIGS = _configs([(64, 64, 32, 4, 3), (32, 128, 32, 4, 3), (128, 64, 32, 8, 3), (64, 64, 64, 4, 3), (64, 128, 32, 8, 3)])
-
-
-def gpu_configs(weight_dtype: torch.dtype) -> list[triton.Config]:
-    """The autotune candidates for a weight dtype."""
-    return _FP32_CONFIGS if weight_dtype == torch.float32 else _HALF_CONFIGS
-
-
-def _candidates(configs, named_args, **kwargs):
-    return gpu_configs(named_args["weight_ptr"].dtype)
-
-
-# Tuned per (D, K, dtypes): the row count varies per call and does not change the best tile much.
-_patch_embed_tuned = triton.autotune(
-    configs=_HALF_CONFIGS + _FP32_CONFIGS,
+# (ieee dots, as stock's fp32 linear) need smaller tiles still. Tuned per (D, K, dtypes): the row count
+# varies per call and does not change the best tile much.
+_TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
+_patch_embed_tuned, gpu_configs = autotune_per_dtype(
+    _patch_embed_kernel,
     key=["hidden", "features"],
-    prune_configs_by={"early_config_prune": _candidates},
-)(_patch_embed_kernel)
+    dtype_of="weight_ptr",
+    half=configs(
+        _TILE,
+        [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3), (256, 128, 32, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+    ),
+    fp32=configs(
+        _TILE, [(64, 64, 32, 4, 3), (32, 128, 32, 4, 3), (128, 64, 32, 8, 3), (64, 64, 64, 4, 3), (64, 128, 32, 8, 3)]
+    ),
+)
 
 
 def patch_embed(

@@ -27,7 +27,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, gather_launch_config, interpreting, round_to
+from .common import (
+    TORCH_TO_TL,
+    autotune_per_dtype,
+    configs,
+    gather_launch_config,
+    interpreting,
+    round_to,
+)
 
 
 @triton.jit
@@ -185,34 +192,17 @@ def _hidden_states_grad_kernel(
     tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
 
 
-def _configs(tiles):
-    return [
-        triton.Config({"BLOCK_S": bs, "BLOCK_N": bn, "BLOCK_D": bd}, num_warps=w, num_stages=s)
-        for bs, bn, bd, w, s in tiles
-    ]
-
-
 # Each fits sm_90 without register spills (bench/hopper_compile.py checks); fp32 hidden states take
-# ieee dots on the FMA units, whose operands need smaller tiles.
-_HALF_CONFIGS = _configs([(64, 64, 128, 4, 3), (64, 64, 256, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3)])
-_FP32_CONFIGS = _configs([(64, 64, 64, 4, 2), (64, 64, 128, 8, 2), (32, 64, 128, 4, 2)])
-
-
-def gpu_configs(hidden_dtype: torch.dtype) -> list[triton.Config]:
-    """The autotune candidates for a hidden-state dtype."""
-    return _FP32_CONFIGS if hidden_dtype == torch.float32 else _HALF_CONFIGS
-
-
-def _candidates(configs, named_args, **kwargs):
-    return gpu_configs(named_args["hidden_ptr"].dtype)
-
-
-# Tuned per (D, L): the slots per item set how many programs share an item, the best tile follows.
-_pool_by_positions_tuned = triton.autotune(
-    configs=_HALF_CONFIGS + _FP32_CONFIGS,
+# ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype): the slots per
+# item set how many programs share an item, and the best tile follows.
+_TILE = ("BLOCK_S", "BLOCK_N", "BLOCK_D")
+_pool_by_positions_tuned, gpu_configs = autotune_per_dtype(
+    _pool_by_positions_kernel,
     key=["hidden", "output_length"],
-    prune_configs_by={"early_config_prune": _candidates},
-)(_pool_by_positions_kernel)
+    dtype_of="hidden_ptr",
+    half=configs(_TILE, [(64, 64, 128, 4, 3), (64, 64, 256, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3)]),
+    fp32=configs(_TILE, [(64, 64, 64, 4, 2), (64, 64, 128, 8, 2), (32, 64, 128, 4, 2)]),
+)
 
 
 def patch_slots(
