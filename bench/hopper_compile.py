@@ -127,14 +127,12 @@ def name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def tile(config: triton.Config) -> str:
-    meta = config.kwargs
-    return f"{meta['BLOCK_M']}x{meta['BLOCK_D']}x{meta['BLOCK_K']}, {config.num_warps} warps, {config.num_stages} stages"
-
-
-def pool_tile(config: triton.Config) -> str:
-    meta = config.kwargs
-    return f"{meta['BLOCK_S']}x{meta['BLOCK_D']}x{meta['BLOCK_N']}, {config.num_warps} warps, {config.num_stages} stages"
+def tuned_launches(dtype_label: str, configs: list[triton.Config]):
+    """(variant, launch meta-parameters) of each autotune candidate; blocks named in the config's order."""
+    for config in configs:
+        blocks = "x".join(map(str, config.kwargs.values()))
+        variant = f"{dtype_label}, {blocks}, {config.num_warps} warps, {config.num_stages} stages"
+        yield variant, dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
 def launches():
@@ -165,24 +163,22 @@ def launches():
 
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
-        _, (pool_args, pool_kwargs) = capture_launches(pooler_kernels, POOLER_KERNELS, call)
+        _, (args, kwargs) = capture_launches(pooler_kernels, POOLER_KERNELS, call)
+        for variant, meta in tuned_launches(name(dtype), pooler_kernels.gpu_configs(dtype)):
+            yield "pool_by_positions", variant, pooler_kernels._pool_by_positions_kernel, args, kwargs | meta
+
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
         call = lambda: pooler_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
         _, (args, kwargs) = capture_launches(pooler_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call)
         yield "pool_backward", name(dtype), pooler_kernels._hidden_states_grad_kernel, args, kwargs
-        for config in pooler_kernels.gpu_configs(dtype):
-            meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-            variant = f"{name(dtype)}, {pool_tile(config)}"
-            yield "pool_by_positions", variant, pooler_kernels._pool_by_positions_kernel, pool_args, pool_kwargs | meta
 
         weight = torch.randn(HIDDEN, FEATURES).to(dtype)
         for pixel_dtype in (torch.float32, torch.bfloat16) if dtype == torch.bfloat16 else (torch.float32,):
             pixels = torch.rand(BATCH, PATCHES, FEATURES).to(pixel_dtype)
             call = lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)  # noqa: E731
             ((args, kwargs),) = capture_launches(patch_embed_kernels, ("_patch_embed_tuned",), call)
-            for config in patch_embed_kernels.gpu_configs(dtype):
-                meta = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
-                variant = f"{name(dtype)}, {name(pixel_dtype)} pixels, {tile(config)}"
+            dtype_label = f"{name(dtype)}, {name(pixel_dtype)} pixels"
+            for variant, meta in tuned_launches(dtype_label, patch_embed_kernels.gpu_configs(dtype)):
                 yield "patch_embed", variant, patch_embed_kernels._patch_embed_kernel, args, kwargs | meta
 
 
