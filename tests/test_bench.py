@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fused_vision.__main__ import main
-from fused_vision.bench import Case, report, runner
+from fused_vision.bench import Case, report, runner, targets
 from fused_vision.bench.ops import STEM_OPS, Lookup, LookupBackward, PatchEmbed, PatchEmbedBackward, Pooler, PoolerBackward
 from fused_vision.bench.workloads import position_ids, soft_token_grid
 
@@ -70,6 +70,7 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     markdown = (out / "results.md").read_text()
     assert "| case | patches | floor | onehot | embedding | fused | fused_kernel | onehot / fused |" in markdown
     assert "### tower_26b_31b" in markdown
+    assert "| patch_embed ≥ 4× faster than embedding | image_2x4 | 64 | fused |" in markdown
     assert (out / "time.png").read_bytes().startswith(b"\x89PNG")
     log = (out / "log.txt").read_text()
     assert "fused vs onehot output: max |diff|" in log, "the towers compare their outputs"
@@ -163,3 +164,43 @@ def test_byte_models_match_hand_counts():
     assert patch_embed_backward.flops == 2 * 630 * 768 * 1152
     pooled_grad = 70 * 1152 * 4
     assert PoolerBackward(case, 1152, torch.bfloat16, cpu).model_bytes == pooled_grad + ids_and_padding + patches * row
+
+
+def stem_row(op, provider, ms, case="image_32x280", hidden=1152, peak=None, output=0):
+    row = dict(op=op, provider=provider, case=case, D=hidden, dtype="bfloat16", ms_p50=ms)
+    return row | dict(peak_bytes=peak, output_bytes=output)
+
+
+def test_issue_goals_are_judged_from_the_rows():
+    rows = [
+        dict(op="copy", provider="torch", case="1024 MiB fp32", dtype="float32", ms_p50=0.5),
+        stem_row("patch_embed", "embedding", 1.5),
+        stem_row("patch_embed", "compiled", 0.4),
+        stem_row("patch_embed", "fused", 0.4, peak=200, output=100),  # 3.75x embedding, ties compiled
+        stem_row("patch_embed", "fused_kernel", 0.375, peak=2**20 + 100, output=100),  # exactly 4x; 1 MiB extra
+        stem_row("pooler", "onehot", 0.67, case="image_8x280"),
+        stem_row("pooler", "fused", 0.067, case="image_8x280"),  # exactly 10x, at another case
+        stem_row("lookup", "fused", 0.05),  # no goal
+    ]
+    found = {(v.goal, v.case, v.provider): v for v in targets.verdicts(rows)}
+    expected_met = {
+        ("patch_embed ≥ 4× faster than embedding", "image_32x280", "fused"): False,
+        ("patch_embed faster than compiled", "image_32x280", "fused"): False,  # a tie is not faster
+        ("patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused"): True,
+        ("patch_embed ≥ 4× faster than embedding", "image_32x280", "fused_kernel"): True,  # at least 4x
+        ("patch_embed faster than compiled", "image_32x280", "fused_kernel"): True,
+        ("patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused_kernel"): False,
+        ("pooler ≥ 10× faster than onehot", "image_8x280", "fused"): True,
+    }
+    assert {key: verdict.met for key, verdict in found.items()} == expected_met
+    assert found["patch_embed ≥ 4× faster than embedding", "image_32x280", "fused"].ratio == pytest.approx(3.75)
+    assert found["patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused"].extra_bytes == 100
+
+    summary = report.goal_summary(targets.verdicts(rows))
+    assert summary.startswith("issue #5's goals at image_32x280, D=1152: 3 of 6 met; not met: ")
+    assert "patch_embed faster than compiled (fused)" in summary
+    lines = report.goal_lines(rows)
+    pooler = "| pooler ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms | yes |"
+    assert pooler in lines
+    elsewhere = report.goal_summary(targets.verdicts(rows[5:7]))
+    assert elsewhere.endswith("not judged, this run has no fused row with its baseline at image_32x280, D=1152")

@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .measure import Ceiling
+from .targets import ISSUE_CASE, ISSUE_HIDDEN, Verdict, verdicts
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
@@ -175,6 +176,39 @@ def low_memory_table(rows: list[dict]) -> list[str]:
     return [title, "", *_table(header, body)]
 
 
+def goal_summary(found: list[Verdict]) -> str:
+    """How many of #5's goals its own case met, and which not; or that this run did not measure it."""
+    at_case = [verdict for verdict in found if verdict.at_issue_case]
+    where = f"{ISSUE_CASE}, D={ISSUE_HIDDEN}"
+    if not at_case:
+        return f"issue #5's goals: not judged, this run has no fused row with its baseline at {where}"
+    missed = [f"{verdict.goal} ({verdict.provider})" for verdict in at_case if not verdict.met]
+    summary = f"issue #5's goals at {where}: {len(at_case) - len(missed)} of {len(at_case)} met"
+    return summary + (f"; not met: {', '.join(missed)}" if missed else "")
+
+
+def _measured(verdict: Verdict) -> str:
+    if verdict.ratio is None:
+        return format_bytes(verdict.extra_bytes)
+    row, baseline = verdict.row, verdict.baseline
+    text = f"{significant(verdict.ratio, 2)}×: {format_ms(row['ms_p50'])} against {format_ms(baseline['ms_p50'])}"
+    if row.get("floor_ms"):
+        text += f" · {format_pct(100 * row['floor_ms'] / row['ms_p50'])} of floor"
+    return text
+
+
+def goal_lines(rows: list[dict]) -> list[str]:
+    """Issue #5's goals against this run's rows: a summary for its own case, then every verdict."""
+    found = verdicts(rows)
+    if not found:
+        return []
+    header = ["goal", "case", "D", "provider", "measured", "met"]
+    body = [
+        [v.goal, v.case, str(v.hidden), v.provider, _measured(v), "yes" if v.met else "**no**"] for v in found
+    ]
+    return ["### goals of issue #5", "", goal_summary(found) + ".", "", *_table(header, body)]
+
+
 def skipped_lines(skipped: list[dict]) -> list[str]:
     if not skipped:
         return []
@@ -202,6 +236,7 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
         "onehot / fused: the fused op's speed-up over the one-hot.",
         "",
     ]
+    lines += goal_lines(rows)
     lines += op_tables(rows, providers, stem_ops)
     lines += low_memory_table(session.low_memory_rows)
     lines += skipped_lines(session.skipped)

@@ -22,6 +22,7 @@ import fused_vision
 from . import report
 from .measure import Budget, Ceiling, copy_ceiling, matmul_ceiling, peak_bytes, synchronize, tensor_bytes, time_call
 from .ops import STEM_OPS, Unsupported
+from .targets import verdicts
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory
 from .workloads import CPU_CASES, GPU_CASES, GPU_TOWER_CASES, TINY_CASES, Case
 
@@ -338,6 +339,7 @@ def run(options: Options) -> Path:
         if "compiled" in plan.providers:
             session.guarded("compiled", bench_stem, *stem, ("compiled",), plan.stem_cases, plan.hidden_sizes)
         written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(STEM_OPS))
+        log(report.goal_summary(verdicts(session.rows)))
         log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
     finally:
         log.close()

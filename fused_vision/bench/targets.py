@@ -1,0 +1,91 @@
+"""Issue #5's goals, judged from a run's own rows, so a run states whether it met them.
+
+- patch_embed at least 4x faster than the stock eager embedder (``embedding``, transformers 5.10+), and
+  faster than ``torch.compile`` of it (``compiled``);
+- the pooler at least 10x faster than the stock pooler (``onehot``: every release pools through it);
+- for both, peak memory beyond the inputs and the output under 1 MiB (CUDA only: the CPU keeps no peaks).
+
+Each goal is judged at every case and width a run measured, for both fused providers: the public op
+(``fused``, input checks included) and its launcher alone (``fused_kernel``). #5 states its goals at
+``ISSUE_CASE`` (bf16, D=1152), which the summary counts.
+"""
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+ISSUE_CASE = "image_32x280"
+ISSUE_HIDDEN = 1152
+FUSED_PROVIDERS = ("fused", "fused_kernel")
+EXTRA_PEAK_OPS = ("patch_embed", "pooler")
+EXTRA_PEAK_LIMIT = 2**20
+
+
+@dataclass(frozen=True)
+class SpeedUp:
+    """``op`` under a fused provider must beat ``baseline`` by ``factor`` (strictly, for "faster than")."""
+
+    op: str
+    baseline: str
+    factor: float
+    strictly: bool = False
+
+    @property
+    def goal(self) -> str:
+        if self.strictly:
+            return f"{self.op} faster than {self.baseline}"
+        return f"{self.op} ≥ {self.factor:g}× faster than {self.baseline}"
+
+    def met(self, ratio: float) -> bool:
+        return ratio > self.factor if self.strictly else ratio >= self.factor
+
+
+SPEED_UPS = (
+    SpeedUp("patch_embed", "embedding", 4.0),
+    SpeedUp("patch_embed", "compiled", 1.0, strictly=True),
+    SpeedUp("pooler", "onehot", 10.0),
+)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One goal at one case, width and fused provider. ``ratio`` is the baseline's time over the fused
+    one's for speed-ups, None for memory; ``extra_bytes`` the peak beyond the output for memory goals."""
+
+    goal: str
+    case: str
+    hidden: int
+    provider: str
+    row: dict
+    baseline: dict | None
+    ratio: float | None
+    extra_bytes: int | None
+    met: bool
+
+    @property
+    def at_issue_case(self) -> bool:
+        return self.case == ISSUE_CASE and self.hidden == ISSUE_HIDDEN
+
+
+def verdicts(rows: list[dict]) -> list[Verdict]:
+    """Every goal a run's rows can judge: speed-ups where the baseline ran too, memory where peaks exist."""
+    by_case: dict[tuple[str, str, int], dict[str, dict]] = defaultdict(dict)
+    for row in rows:
+        if row.get("D") is not None:  # the ceilings have no case of their own
+            by_case[row["op"], row["case"], row["D"]][row["provider"]] = row
+    found = []
+    for (op, case, hidden), by_provider in by_case.items():
+        for provider in FUSED_PROVIDERS:
+            row = by_provider.get(provider)
+            if row is None:
+                continue
+            for target in SPEED_UPS:
+                baseline = by_provider.get(target.baseline)
+                if target.op == op and baseline is not None:
+                    ratio = baseline["ms_p50"] / row["ms_p50"]
+                    met = target.met(ratio)
+                    found.append(Verdict(target.goal, case, hidden, provider, row, baseline, ratio, None, met))
+            if op in EXTRA_PEAK_OPS and row.get("peak_bytes") is not None:
+                extra = row["peak_bytes"] - row["output_bytes"]
+                goal = f"{op} peak beyond inputs and output < 1 MiB"
+                found.append(Verdict(goal, case, hidden, provider, row, None, None, extra, extra < EXTRA_PEAK_LIMIT))
+    return found
