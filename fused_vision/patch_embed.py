@@ -11,17 +11,24 @@ from .position_embedding import table_grad
 def _triton(pixel_values, weight, table, position_ids, padding_positions):
     from .kernels.patch_embed import patch_embed as launch
 
-    return launch(pixel_values, weight, table, position_ids, padding_positions)
+    out = launch(pixel_values, weight, table, position_ids, padding_positions)
+    # Checked after the launch, which bad ids cannot lead astray: the device runs the kernel meanwhile.
+    check_position_ids_range(position_ids, table.shape[1])
+    return out
+
+
+def _reference(pixel_values, weight, table, position_ids, padding_positions):
+    check_position_ids_range(position_ids, table.shape[1])  # before: the reference indexes with the ids
+    return reference.patch_embed(pixel_values, weight, table, position_ids, padding_positions)
 
 
 def _forward(pixel_values, weight, table, position_ids, padding_positions, backend):
-    check_position_ids_range(position_ids, table.shape[1])
     return dispatch(
         "patch_embed",
         backend,
         weight.device,
         _triton,
-        reference.patch_embed,
+        _reference,
         pixel_values,
         weight,
         table,

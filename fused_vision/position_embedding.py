@@ -10,15 +10,18 @@ from ._validation import check_position_ids_range, check_position_inputs
 def _triton(table, position_ids, padding_positions, residual):
     from .kernels.position_embedding import position_embeddings as launch
 
-    return launch(table, position_ids, padding_positions, residual)
+    out = launch(table, position_ids, padding_positions, residual)
+    # Checked after the launch, which bad ids cannot lead astray: the device runs the kernel meanwhile.
+    check_position_ids_range(position_ids, table.shape[1])
+    return out
 
 
 def _reference(table, position_ids, padding_positions, residual):
+    check_position_ids_range(position_ids, table.shape[1])  # before: the reference indexes with the ids
     return reference.position_embeddings(table, position_ids, padding_positions, residual=residual)
 
 
 def _forward(table, position_ids, padding_positions, residual, backend):
-    check_position_ids_range(position_ids, table.shape[1])
     return dispatch(
         "position_embeddings", backend, table.device, _triton, _reference, table, position_ids, padding_positions, residual
     )

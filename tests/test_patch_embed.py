@@ -1,5 +1,7 @@
 """The fused patch embedder against stock's `input_proj(2 * (p - 0.5)) + pe` and a float64 reference."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -95,10 +97,15 @@ def test_empty_batch(backend):
     ],
     ids=["features", "hidden", "table_dtype", "integer_pixels", "ids_range"],
 )
-def test_bad_input(change, error, pattern):
+@pytest.mark.parametrize("backend", ["auto", *BACKENDS])
+def test_bad_input(change, error, pattern, backend):
+    """Every backend raises; under "auto" the id check, made after the kernel's launch, is an input error
+    and not a kernel failure: no fallback warning, and the op keeps its kernel."""
     pixels, weight, table, ids = make_inputs(2, 8, 48, 16, 30, torch.float32, torch.float32, 0)
     args = dict(pixel_values=pixels, weight=weight, table=table, position_ids=ids)
     for name, fn in change.items():
         args[name] = fn(args[name])
-    with pytest.raises(error, match=pattern):
-        fused_vision.patch_embed(**args)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(error, match=pattern):
+            fused_vision.patch_embed(**args, backend=backend)
