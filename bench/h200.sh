@@ -8,6 +8,10 @@
 # Bench files land in $OUT directly (6 files); everything else in $OUT/checks.tgz and $OUT/h200.log, so the
 # 8-file limit on what comes back holds. Exits non-zero if any step failed; later steps still run.
 #   device tool: run(command="bash bench/h200.sh", timeout_s=570); about 8 min expected, plus start-up
+# Each step has a time box, cut to what is left before H200_DEADLINE_S (default 540 s after the start, under
+# the device call's 570 s), so a slow or hung step costs its own results, not the later steps' or the
+# archive. A box sends SIGINT: the bench then writes the reports of what it measured, gpu_checks.json and
+# the logs keep every check and planner row that finished.
 # H200_DRY_RUN=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU
 # under TRITON_INTERPRET=1), so a lease is never spent debugging this script. PYTHON: default python3.
 set -uo pipefail
@@ -26,6 +30,7 @@ else
   bench_args=(--time-budget 200)
   planner_args=()
 fi
+deadline=$((SECONDS + ${H200_DEADLINE_S:-540}))
 checks="$(mktemp -d)"
 mkdir -p "$out"
 exec > >(tee "$out/h200.log") 2>&1
@@ -33,11 +38,19 @@ export PYTHONUNBUFFERED=1
 export TRITON_PRINT_AUTOTUNING=1  # the log keeps each key's winning tile, to prune the candidates later
 
 status=0
-step() {  # step NAME COMMAND...: run, time and record one step without stopping the others
-  local name=$1; shift
-  echo "=== $name: $*"
+step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step without stopping the others
+  local name=$1 box=$2; shift 2
+  local left=$((deadline - SECONDS - 15))  # 15 s kept for the archive
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name skipped: ${left} s left before the deadline"
+    status=1
+    return
+  fi
+  [ "$box" -gt "$left" ] && box=$left
+  echo "=== $name (box ${box} s): $*"
   local start=$SECONDS code=0
-  "$@" || code=$?
+  # SIGINT at the box, so Python writes what it has and pytest prints its summary; SIGKILL 15 s later.
+  timeout -s INT -k 15 "$box" "$@" || code=$?
   if [ "$code" -eq 124 ]; then
     echo "=== $name reached its time box (what ran is in the log and its report)"
   elif [ "$code" -ne 0 ]; then
@@ -53,11 +66,10 @@ step() {  # step NAME COMMAND...: run, time and record one step without stopping
 "$python" -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 
-step gpu_checks "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}"
-step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
-step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}"
-# SIGINT at the box, so pytest still prints its summary and writes its report.
-step gpu_tests timeout -s INT -k 15 60 "$python" -m pytest -q -x -p no:cacheprovider "${gpu_tests[@]}" --junitxml "$checks/gpu_tests.xml"
+step gpu_checks 150 "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}"
+step bench 330 "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
+step planner_check 120 "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}"
+step gpu_tests 60 "$python" -m pytest -q -x -p no:cacheprovider "${gpu_tests[@]}" --junitxml "$checks/gpu_tests.xml"
 
 tar -czf "$out/checks.tgz" -C "$checks" .
 cat "$out/results.md" 2>/dev/null

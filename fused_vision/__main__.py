@@ -102,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         time_budget_s=args.time_budget or None,
         command=command,
     )
-    run(options)
+    try:
+        run(options)
+    except KeyboardInterrupt:
+        print(f"interrupted: what was measured is written in {out}", file=sys.stderr)
+        return 130  # the shell's code for SIGINT
     return 0
 
 

@@ -7,8 +7,10 @@ memory, and the low-memory scenario on its emulated card.
 
 import csv
 import math
+import signal
 import subprocess
 import sys
+from functools import partial
 
 import pytest
 import torch
@@ -110,6 +112,48 @@ def test_a_failing_section_still_writes_the_other_results(tmp_path, monkeypatch)
     _, rows = read_csv(tmp_path / "bench" / "results.csv")
     assert ("lookup", "embedding") in {(row["op"], row["provider"]) for row in rows}
     assert "RuntimeError: planted failure" in (tmp_path / "bench" / "log.txt").read_text()
+
+
+def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsys):
+    """A time box's SIGINT (KeyboardInterrupt) mid-run: the rows so far reach the reports, exit code 130."""
+
+    def interrupted_tower(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(runner, "bench_tower", interrupted_tower)
+    out = tmp_path / "bench"
+    args = ["--ops", "lookup,tower_e2b_e4b,pooler", "--providers", "embedding,onehot", "--out", str(out)]
+    assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", *args]) == 130
+    _, rows = read_csv(out / "results.csv")
+    assert [(row["op"], row["provider"]) for row in rows] == [
+        ("copy", "torch"), ("matmul", "torch"), ("lookup", "onehot"), ("lookup", "embedding"), ("pooler", "onehot")
+    ]  # fmt: skip
+    assert "**Interrupted** after 3 of 5 measurements." in (out / "results.md").read_text()
+    assert "interrupted: writing the reports" in (out / "log.txt").read_text()
+    assert f"interrupted: what was measured is written in {out}" in capsys.readouterr().err
+
+
+def test_sigint_mid_run_writes_the_reports(tmp_path):
+    """What a time box does to the bench (bench/h200.sh: ``timeout -s INT``): a real SIGINT mid-run."""
+    out = tmp_path / "bench"
+    # The device's own cases (not --tiny): 20 measurements of ~0.5 s on a CPU, so the signal lands mid-run.
+    command = [sys.executable, "-m", "fused_vision", "bench", "--device", DEVICE.type, "--quick", "--hidden", "64"]
+    command += ["--ops", "stem", "--providers", "onehot,embedding", "--out", str(out)]
+    # Default SIGINT handling, as ``timeout`` gives its child, even where this process ignores SIGINT.
+    restore_sigint = partial(signal.signal, signal.SIGINT, signal.SIG_DFL)
+    child = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=restore_sigint
+    )
+    for line in child.stdout:
+        if line.lstrip("[ ").startswith("1/"):  # the first measurement's progress line: "[ 1/20] ..."
+            child.send_signal(signal.SIGINT)
+            break
+    output = child.stdout.read()
+    assert child.wait(timeout=120) == 130, output
+    _, rows = read_csv(out / "results.csv")
+    measured = [(row["op"], row["provider"]) for row in rows]
+    assert measured[:3] == [("copy", "torch"), ("matmul", "torch"), ("lookup", "onehot")]
+    assert "**Interrupted** after" in (out / "results.md").read_text()
 
 
 def test_bad_arguments_are_usage_errors(capsys):

@@ -59,3 +59,17 @@ def test_h200_script_dry_run(tmp_path):
     with tarfile.open(tmp_path / "checks.tgz") as archive:
         names = {Path(name).name for name in archive.getnames()}
     assert {"gpu_checks.json", "planner_check.json", "planner_check.csv", "gpu_tests.xml"} <= names
+
+
+def test_h200_script_past_its_deadline_skips_steps_and_still_archives(tmp_path):
+    """With no time left before H200_DEADLINE_S, every step is skipped and said so, the run fails, and the
+    archive and log still come back."""
+    env = dict(os.environ, H200_DRY_RUN="1", H200_DEADLINE_S="0", OUT=str(tmp_path), PYTHON=sys.executable)
+    result = subprocess.run(
+        ["bash", str(ROOT / "bench" / "h200.sh")], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    log = (tmp_path / "h200.log").read_text()
+    for step in ("gpu_checks", "bench", "planner_check", "gpu_tests"):
+        assert f"=== {step} skipped: " in log and f"=== {step} took" not in log, log
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["checks.tgz", "h200.log"]

@@ -236,6 +236,8 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
         "onehot / fused: the fused op's speed-up over the one-hot.",
         "",
     ]
+    if session.interrupted:
+        lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
     lines += goal_lines(rows)
     lines += op_tables(rows, providers, stem_ops)
     lines += low_memory_table(session.low_memory_rows)

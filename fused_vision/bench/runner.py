@@ -159,6 +159,7 @@ class Session:
         self.low_memory_rows: list[dict] = []
         self.skipped: list[dict] = []
         self.failed_sections: list[str] = []
+        self.interrupted = False
         self.tasks_done = 0
         self.dtype_name = DTYPE_NAME
         self.copy: Ceiling | None = None
@@ -306,11 +307,26 @@ def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...
                 del bench
 
 
+def run_sections(session: Session, plan: Plan) -> None:
+    """Every section in the order of the module docstring; an error stops only its own section."""
+    stem = (session, plan.stem_ops)
+    eager = tuple(p for p in plan.providers if p != "compiled")
+    session.guarded("stem ops", bench_stem, *stem, eager, plan.stem_cases, plan.hidden_sizes)
+    for op in plan.tower_ops:
+        session.guarded(op, bench_tower, session, op, plan.providers, plan.tower_cases)
+    if "low_memory" in plan.ops:
+        session.guarded("low_memory", run_low_memory, session)
+    if "compiled" in plan.providers:
+        session.guarded("compiled", bench_stem, *stem, ("compiled",), plan.stem_cases, plan.hidden_sizes)
+
+
 def run(options: Options) -> Path:
     """Run the comparison and write results.csv, low_memory.csv, results.md, time.png, memory.png and log.txt.
 
     A section (the stem ops, a tower, the low-memory scenario, the compiled providers) stopped by an error
     is logged with its traceback and the others still run; the reports are written, then it raises.
+    Interrupted (KeyboardInterrupt: Ctrl-C, or SIGINT from a time box), it writes the reports of what it
+    measured, then raises KeyboardInterrupt.
     """
     plan = Plan.of(options)
     options.out.mkdir(parents=True, exist_ok=True)
@@ -329,20 +345,18 @@ def run(options: Options) -> Path:
             f"D {', '.join(map(str, plan.hidden_sizes))}; results in {options.out}"
         )
         session.measure_ceilings()
-        stem = (session, plan.stem_ops)
-        eager = tuple(p for p in plan.providers if p != "compiled")
-        session.guarded("stem ops", bench_stem, *stem, eager, plan.stem_cases, plan.hidden_sizes)
-        for op in plan.tower_ops:
-            session.guarded(op, bench_tower, session, op, plan.providers, plan.tower_cases)
-        if "low_memory" in plan.ops:
-            session.guarded("low_memory", run_low_memory, session)
-        if "compiled" in plan.providers:
-            session.guarded("compiled", bench_stem, *stem, ("compiled",), plan.stem_cases, plan.hidden_sizes)
+        try:
+            run_sections(session, plan)
+        except KeyboardInterrupt:  # Ctrl-C, or a time box's SIGINT: keep what was measured
+            session.interrupted = True
+            log("interrupted: writing the reports of what was measured so far")
         written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(STEM_OPS))
         log(report.goal_summary(verdicts(session.rows)))
         log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
     finally:
         log.close()
+    if session.interrupted:
+        raise KeyboardInterrupt(f"bench interrupted; what it measured is written in {options.out}")
     if session.failed_sections:
         raise RuntimeError(
             f"bench sections stopped by errors: {', '.join(session.failed_sections)} (tracebacks in {log.path}); "
