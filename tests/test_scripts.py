@@ -42,15 +42,23 @@ def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
     assert len(rows) > 30 and all(row.endswith(",ok") for row in rows[1:]), "\n".join(rows)
 
 
-def test_h200_script_dry_run(tmp_path):
-    """bench/h200.sh end to end at toy sizes: install, the four steps, and the files it hands back."""
-    env = dict(os.environ, TRITON_INTERPRET="1", H200_DRY_RUN="1", OUT=str(tmp_path), PYTHON=sys.executable)
+H200_STEPS = ("gpu_checks", "bench", "planner_check", "gpu_tests")
+
+
+def run_h200_dry(out, expected_code, **env):
+    """bench/h200.sh at toy sizes into ``out``; returns its log."""
+    env = dict(os.environ, TRITON_INTERPRET="1", H200_DRY_RUN="1", OUT=str(out), PYTHON=sys.executable, **env)
     result = subprocess.run(
         ["bash", str(ROOT / "bench" / "h200.sh")], capture_output=True, text=True, env=env, timeout=600
     )
-    assert result.returncode == 0, result.stdout + result.stderr
-    log = (tmp_path / "h200.log").read_text()
-    for step in ("gpu_checks", "bench", "planner_check", "gpu_tests"):
+    assert result.returncode == expected_code, result.stdout + result.stderr
+    return (out / "h200.log").read_text()
+
+
+def test_h200_script_dry_run(tmp_path):
+    """bench/h200.sh end to end at toy sizes: install, the four steps, and the files it hands back."""
+    log = run_h200_dry(tmp_path, 0)
+    for step in H200_STEPS:
         assert f"=== {step} took" in log and f"=== {step} FAILED" not in log, log
     returned = sorted(path.name for path in tmp_path.iterdir())
     bench_files = ["log.txt", "low_memory.csv", "results.csv", "results.md", "time.png"]
@@ -64,12 +72,7 @@ def test_h200_script_dry_run(tmp_path):
 def test_h200_script_past_its_deadline_skips_steps_and_still_archives(tmp_path):
     """With no time left before H200_DEADLINE_S, every step is skipped and said so, the run fails, and the
     archive and log still come back."""
-    env = dict(os.environ, H200_DRY_RUN="1", H200_DEADLINE_S="0", OUT=str(tmp_path), PYTHON=sys.executable)
-    result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "h200.sh")], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    log = (tmp_path / "h200.log").read_text()
-    for step in ("gpu_checks", "bench", "planner_check", "gpu_tests"):
+    log = run_h200_dry(tmp_path, 1, H200_DEADLINE_S="0")
+    for step in H200_STEPS:
         assert f"=== {step} skipped: " in log and f"=== {step} took" not in log, log
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checks.tgz", "h200.log"]
