@@ -241,6 +241,8 @@ def test_issue_goals_are_judged_from_the_rows():
     summary = report.goal_summary(targets.verdicts(rows))
     assert summary.startswith("issue #5's goals at image_32x280, D=1152: 3 of 6 met; not met: ")
     assert "patch_embed faster than compiled (fused)" in summary
+    unjudged = "pooler ≥ 10× faster than onehot, pooler peak beyond inputs and output < 1 MiB"
+    assert summary.endswith(f"; not judged (a row missing): {unjudged}"), "the pooler ran at another case only"
     lines = report.goal_lines(rows)
     pooler = "| pooler ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms | yes |"
     assert pooler in lines

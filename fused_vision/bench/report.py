@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .measure import Ceiling
-from .targets import ISSUE_CASE, ISSUE_HIDDEN, Verdict, verdicts
+from .targets import GOALS, ISSUE_CASE, ISSUE_HIDDEN, Verdict, verdicts
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
@@ -177,14 +177,16 @@ def low_memory_table(rows: list[dict]) -> list[str]:
 
 
 def goal_summary(found: list[Verdict]) -> str:
-    """How many of #5's goals its own case met, and which not; or that this run did not measure it."""
+    """How many of #5's goals its own case met, which not, and which the run could not judge there."""
     at_case = [verdict for verdict in found if verdict.at_issue_case]
     where = f"{ISSUE_CASE}, D={ISSUE_HIDDEN}"
     if not at_case:
         return f"issue #5's goals: not judged, this run has no fused row with its baseline at {where}"
     missed = [f"{verdict.goal} ({verdict.provider})" for verdict in at_case if not verdict.met]
+    unjudged = [goal for goal in GOALS if goal not in {verdict.goal for verdict in at_case}]
     summary = f"issue #5's goals at {where}: {len(at_case) - len(missed)} of {len(at_case)} met"
-    return summary + (f"; not met: {', '.join(missed)}" if missed else "")
+    summary += f"; not met: {', '.join(missed)}" if missed else ""
+    return summary + (f"; not judged (a row missing): {', '.join(unjudged)}" if unjudged else "")
 
 
 def _measured(verdict: Verdict) -> str:

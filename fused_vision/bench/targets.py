@@ -46,6 +46,13 @@ SPEED_UPS = (
 )
 
 
+def peak_goal(op: str) -> str:
+    return f"{op} peak beyond inputs and output < 1 MiB"
+
+
+GOALS = (*(target.goal for target in SPEED_UPS), *map(peak_goal, EXTRA_PEAK_OPS))
+
+
 @dataclass(frozen=True)
 class Verdict:
     """One goal at one case, width and fused provider. ``ratio`` is the baseline's time over the fused
@@ -86,6 +93,6 @@ def verdicts(rows: list[dict]) -> list[Verdict]:
                     found.append(Verdict(target.goal, case, hidden, provider, row, baseline, ratio, None, met))
             if op in EXTRA_PEAK_OPS and row.get("peak_bytes") is not None:
                 extra = row["peak_bytes"] - row["output_bytes"]
-                goal = f"{op} peak beyond inputs and output < 1 MiB"
-                found.append(Verdict(goal, case, hidden, provider, row, None, None, extra, extra < EXTRA_PEAK_LIMIT))
+                met = extra < EXTRA_PEAK_LIMIT
+                found.append(Verdict(peak_goal(op), case, hidden, provider, row, None, None, extra, met))
     return found
