@@ -54,12 +54,16 @@ def round_to_bf16(x):
     """fp32 -> bf16 with round-to-nearest-even.
 
     Done with integer ops because the interpreter's cast truncates; the same code compiles to a
-    handful of integer instructions on a GPU, where it matches the hardware cast bit for bit.
-    NaN stays NaN (its quiet bit is in the high half) and overflow rounds to +-inf, as the cast does.
+    handful of integer instructions on a GPU, where it matches the hardware cast bit for bit on every
+    non-NaN input, overflow to +-inf included. NaN is kept apart: rounding its payload would carry into
+    the exponent or the sign (the GPU's own NaN, 0x7FFFFFFF, would become -0.0), so it keeps its sign
+    and high payload and gets the quiet bit, as the cast does.
     """
     bits = x.to(tl.uint32, bitcast=True)
-    bits = bits + 0x7FFF + ((bits >> 16) & 1)
-    return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    quiet_nan = (bits >> 16) | 0x40
+    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000  # in integers: no float compare for a compiler to fold away
+    return tl.where(is_nan, quiet_nan, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit

@@ -5,7 +5,7 @@ import torch
 
 import fused_vision
 
-from conftest import DEVICE
+from conftest import DEVICE, FLOAT_DTYPES, dtype_id
 
 BACKENDS = ["triton", "reference"]
 
@@ -69,14 +69,17 @@ def test_unknown_backend():
         fused_vision.position_embeddings(*good(), backend="cuda")
 
 
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("bad_id", [-2, 20, 2**40], ids=["below_minus_one", "P", "huge"])
-def test_unchecked_bad_ids_turn_rows_nan_not_faults(monkeypatch, bad_id):
+def test_unchecked_bad_ids_turn_rows_nan_not_faults(monkeypatch, bad_id, dtype):
     """With the synchronising range check switched off, the kernels never read outside the table:
-    rows with an out-of-range id come out NaN, every other row is still exact."""
+    rows with an out-of-range id come out NaN (in bf16 too, whose rounding must keep a NaN), every other
+    row is still exact."""
     monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
     table, ids = good()
+    table = table.to(dtype)
     ids[1, 2, 1] = bad_id
-    residual = torch.randn(2, 5, 8, device=DEVICE)
+    residual = torch.randn(2, 5, 8, device=DEVICE, dtype=dtype)
     out = fused_vision.position_embeddings(table, ids, residual=residual, backend="triton")
     assert out[1, 2].isnan().all()
     ids[1, 2] = 0
