@@ -8,8 +8,9 @@
 - the pooler against the one-hot pooler at image 32 x 280, and its run-to-run bit-identity;
 - the pooler's hidden-state gradient against autograd through the one-hot pooler, bit for bit;
 - the table gradient against the deterministic reference.
-Exits non-zero when any check fails; writes gpu_checks.json under --out. `--smoke` runs the same code at
-tiny sizes on any device (TRITON_INTERPRET=1 on a CPU), to test the script itself.
+Exits non-zero when any check fails (an exception fails its own check only); writes gpu_checks.json
+under --out. `--smoke` runs the same code at tiny sizes on any device (TRITON_INTERPRET=1 on a CPU), to
+test the script itself.
 """
 
 import argparse
@@ -17,6 +18,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from functools import partial
 
 import torch
@@ -173,7 +175,11 @@ def main():
     )
     for check in checks:
         start, done = time.perf_counter(), len(results)
-        check(device, results, **(SMOKE_SIZES if args.smoke else SIZES))
+        try:
+            check(device, results, **(SMOKE_SIZES if args.smoke else SIZES))
+        except Exception as exc:  # a compile or out-of-memory error fails this check, not the ones after it
+            traceback.print_exc()
+            results.append(dict(check=check.__name__, error=f"{type(exc).__name__}: {exc}", ok=False))
         if device.type == "cuda":
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
@@ -183,8 +189,7 @@ def main():
         # Rewritten after every check: a time box that interrupts the script keeps the finished ones.
         with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
             json.dump(dict(environment=environment, results=results), f, indent=1)
-    big = next(row for row in results if row["check"] == "lookup_big_output")
-    passed = all(row["ok"] for row in results) and (args.smoke or big["over_2_31"])
+    passed = all(row["ok"] for row in results) and (args.smoke or any(row.get("over_2_31") for row in results))
     sys.exit(0 if passed else 1)
 
 

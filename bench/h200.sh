@@ -16,7 +16,7 @@
 # under TRITON_INTERPRET=1), so a lease is never spent debugging this script. PYTHON: default python3.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out="${OUT:-bench/out/h200}"
+out="$(realpath -m "${OUT:-bench/out/h200}")"  # absolute: the steps may run from a staged copy (below)
 python="${PYTHON:-python3}"
 # Fastest first: each autotuned embedder shape compiles six configs, so the whole files may outrun the box.
 gpu_tests=(tests/test_validation.py tests/test_pooler.py tests/test_position_embeddings.py tests/test_patch_embed.py)
@@ -34,6 +34,9 @@ deadline=$((SECONDS + ${H200_DEADLINE_S:-540}))
 checks="$(mktemp -d)"
 mkdir -p "$out"
 exec > >(tee "$out/h200.log") 2>&1
+tee_pid=$!
+# bash does not wait for a process substitution: close its pipe and wait, so the log is whole on exit.
+trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT
 export PYTHONUNBUFFERED=1
 export TRITON_PRINT_AUTOTUNING=1  # the log keeps each key's winning tile, to prune the candidates later
 
@@ -50,9 +53,13 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
   echo "=== $name (box ${box} s): $*"
   local start=$SECONDS code=0
   # SIGINT at the box, so Python writes what it has and pytest prints its summary; SIGKILL 15 s later.
-  timeout -s INT -k 15 "$box" "$@" || code=$?
+  # --foreground: the signal goes to the step once (not again to its process group, mid-report).
+  timeout --foreground -s INT -k 15 "$box" "$@" || code=$?
   if [ "$code" -eq 124 ]; then
     echo "=== $name reached its time box (what ran is in the log and its report)"
+  elif [ "$code" -eq 137 ]; then
+    echo "=== $name KILLED: still running 15 s after its time box's SIGINT"
+    status=1
   elif [ "$code" -ne 0 ]; then
     echo "=== $name FAILED (exit $code)"
     status=1
@@ -60,10 +67,18 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
   echo "=== $name took $((SECONDS - start)) s"
 }
 
-# The device reaches no registry, so the install builds with the setuptools it has; where that cannot
-# build an editable wheel alone (setuptools < 70.1 without wheel), pip may fetch a newer one instead.
-"$python" -m pip install -q --no-deps --no-build-isolation -e . || "$python" -m pip install -q --no-deps -e . || exit 1
-"$python" -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+# The device reaches no registry, so the install builds with the setuptools it has. Where it cannot (an
+# old setuptools), the steps run in a copy of the tree laid out as installed (fused_vision.kernels from
+# kernels/), rather than lose the lease to a packaging error or to pip waiting on a registry; only the
+# version then reads 0+unknown. The copy is also the working directory, which `python -m` puts first.
+if ! "$python" -m pip install -q --no-deps --no-build-isolation -e .; then
+  staged="$(mktemp -d)"
+  cp -r pyproject.toml fused_vision bench tests "$staged/" && cp -r kernels "$staged/fused_vision/kernels" || exit 1
+  cd "$staged" || exit 1
+  export PYTHONPATH="$staged${PYTHONPATH:+:$PYTHONPATH}"
+  echo "pip could not install fused_vision: running from a staged copy of the source in $staged"
+fi
+"$python" -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, 'from', fused_vision.__path__[0], torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 
 step gpu_checks 150 "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}"

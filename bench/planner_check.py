@@ -210,11 +210,21 @@ def main(argv=None) -> int:
         raise SystemExit("--device cuda: no CUDA device here (use --device cpu --tiny)")
     dtype = getattr(torch, args.dtype)
     config = vision_config(TINY if args.tiny else GEMMA4_26B_31B, args.attn)
+    meta = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "tower": "tiny" if args.tiny else "gemma4-26b/31b",
+        "dtype": args.dtype,
+        "attn_implementation": args.attn,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+    }
     rows = []
-    for row in check(config, CASES[args.tiny], device, dtype):  # printed as measured, should a time box cut it short
+    # Each row is printed and the files rewritten as it is measured, should a time box cut the run short.
+    for row in check(config, CASES[args.tiny], device, dtype):
         if not rows:
             path = row.path
             standard = "upper bounds" if path == "onehot" else f"upper bounds within {TOLERANCE:.0%}"
+            meta |= {"path": path, "tolerance": None if path == "onehot" else TOLERANCE}
             print(f"path={path}: predictions must be {standard} of the measured peaks")
             print(f"{'kind':<6} {'N':>5} {'items':>5} {'measured MiB':>13} {'predicted MiB':>14} {'ratio':>6}")
         print(
@@ -223,17 +233,7 @@ def main(argv=None) -> int:
             flush=True,
         )
         rows.append(row)
-    meta = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "tower": "tiny" if args.tiny else "gemma4-26b/31b",
-        "dtype": args.dtype,
-        "attn_implementation": args.attn,
-        "path": path,
-        "tolerance": None if path == "onehot" else TOLERANCE,
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-    }
-    write_results(rows, args.out, meta)
+        write_results(rows, args.out, meta)
     failed = [row for row in rows if not row.ok]
     if failed:
         print(f"{len(failed)} of {len(rows)} predictions are not {standard}", file=sys.stderr)

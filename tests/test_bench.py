@@ -135,6 +135,7 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
         raise KeyboardInterrupt
 
     monkeypatch.setattr(runner, "bench_tower", interrupted_tower)
+    sigint_handler = signal.getsignal(signal.SIGINT)
     out = tmp_path / "bench"
     args = ["--ops", "lookup,tower_e2b_e4b,pooler", "--providers", "embedding,onehot", "--out", str(out)]
     assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", *args]) == 130
@@ -145,16 +146,17 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
     assert "**Interrupted** after 3 of 5 measurements." in (out / "results.md").read_text()
     assert "interrupted: writing the reports" in (out / "log.txt").read_text()
     assert f"interrupted: what was measured is written in {out}" in capsys.readouterr().err
+    assert signal.getsignal(signal.SIGINT) is sigint_handler, "Ctrl-C works as before afterwards"
 
 
 def test_sigint_mid_run_writes_the_reports(tmp_path):
-    """What a time box does to the bench (bench/h200.sh: ``timeout -s INT``): a real SIGINT mid-run."""
+    """What a time box does to the bench (bench/h200.sh's ``timeout``): a real SIGINT mid-run."""
     out = tmp_path / "bench"
     # Under ``timeout``, as h200.sh runs it: it gives the bench default SIGINT handling even where this
     # process ignores SIGINT, and passes on the signal it gets. The device's own cases (not --tiny):
     # 20 measurements of ~0.5 s on a CPU, so the signal lands mid-run.
-    command = ["timeout", "-s", "INT", "-k", "15", "300", sys.executable, "-m", "fused_vision", "bench"]
-    command += ["--device", DEVICE.type, "--quick", "--hidden", "64", "--ops", "stem"]
+    command = ["timeout", "--foreground", "-s", "INT", "-k", "15", "300", sys.executable, "-m", "fused_vision"]
+    command += ["bench", "--device", DEVICE.type, "--quick", "--hidden", "64", "--ops", "stem"]
     command += ["--providers", "onehot,embedding", "--out", str(out)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     for line in child.stdout:

@@ -47,7 +47,7 @@ H200_STEPS = ("gpu_checks", "bench", "planner_check", "gpu_tests")
 
 def run_h200_dry(out, expected_code, **env):
     """bench/h200.sh at toy sizes into ``out``; returns its log."""
-    env = dict(os.environ, TRITON_INTERPRET="1", H200_DRY_RUN="1", OUT=str(out), PYTHON=sys.executable, **env)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "H200_DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable, **env}
     result = subprocess.run(
         ["bash", str(ROOT / "bench" / "h200.sh")], capture_output=True, text=True, env=env, timeout=600
     )
@@ -76,3 +76,18 @@ def test_h200_script_past_its_deadline_skips_steps_and_still_archives(tmp_path):
     for step in H200_STEPS:
         assert f"=== {step} skipped: " in log and f"=== {step} took" not in log, log
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checks.tgz", "h200.log"]
+
+
+def test_h200_script_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
+    """The device has no registry: should the offline install fail, the steps still run, from a copy of the
+    source in the installed layout (fused_vision.kernels from kernels/)."""
+    python = tmp_path / "python"
+    python.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 1\nexec {sys.executable} "$@"\n')
+    python.chmod(0o755)
+    out = tmp_path / "out"
+    out.mkdir()
+    log = run_h200_dry(out, 0, PYTHON=str(python))
+    staged = log.split("running from a staged copy of the source in ")[1].split()[0]
+    assert f"from {staged}/fused_vision " in log, "the steps import the staged copy"
+    for step in H200_STEPS:
+        assert f"=== {step} took" in log and f"=== {step} FAILED" not in log, log

@@ -7,6 +7,7 @@ among them the embedder's go first, the comparison issue #5 sets a goal on.
 """
 
 import platform
+import signal
 import time
 import traceback
 from dataclasses import dataclass
@@ -334,6 +335,7 @@ def run(options: Options) -> Path:
     plan = Plan.of(options)
     options.out.mkdir(parents=True, exist_ok=True)
     log = Log(options.out / "log.txt")
+    sigint_handler = None  # set while the reports of an interrupted run are written
     try:
         session = Session(options, log, plan.task_count())
         env = session.environment
@@ -351,6 +353,7 @@ def run(options: Options) -> Path:
         try:
             run_sections(session, plan)
         except KeyboardInterrupt:  # Ctrl-C, or a time box's SIGINT: keep what was measured
+            sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second must not cut the reports
             session.interrupted = True
             log("interrupted: writing the reports of what was measured so far")
         written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(STEM_OPS))
@@ -358,6 +361,8 @@ def run(options: Options) -> Path:
         log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
     finally:
         log.close()
+        if sigint_handler is not None:
+            signal.signal(signal.SIGINT, sigint_handler)
     if session.interrupted:
         raise KeyboardInterrupt(f"bench interrupted; what it measured is written in {options.out}")
     if session.failed_sections:
