@@ -7,6 +7,7 @@ the reference from then on, so a broken toolchain costs one failed compile, not 
 Input errors (ValueError, TypeError) are never swallowed by the fallback.
 """
 
+import contextlib
 import functools
 import os
 import warnings
@@ -80,15 +81,29 @@ def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
     return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
+def on_device(device: torch.device) -> contextlib.AbstractContextManager:
+    """Make ``device`` the current one while a kernel launches: Triton launches on the current device,
+    whatever device its arguments are on, and a model spread over GPUs (``device_map="auto"``) calls the
+    ops with tensors on another one. A no-op, without a device switch, in the usual case."""
+    if device.type not in _TRITON_DEVICE_TYPES or device.index is None:
+        return contextlib.nullcontext()
+    runtime = getattr(torch, device.type)  # torch.cuda or torch.xpu
+    if runtime.current_device() == device.index:
+        return contextlib.nullcontext()
+    return runtime.device(device.index)
+
+
 def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, reference_fn: Callable, *args):
-    """Run ``triton_fn(*args)`` or ``reference_fn(*args)`` as ``backend`` says."""
+    """Run ``triton_fn(*args)`` (on ``device``) or ``reference_fn(*args)`` as ``backend`` says."""
     chosen = resolve_backend(backend, device)
     if chosen == "reference" or (chosen == "auto" and (op, device.type) in _failed):
         return reference_fn(*args)
     if chosen == "triton":
-        return triton_fn(*args)
+        with on_device(device):
+            return triton_fn(*args)
     try:
-        return triton_fn(*args)
+        with on_device(device):
+            return triton_fn(*args)
     except (ValueError, TypeError):  # the input's fault: the reference would raise it too
         raise
     except Exception as exc:  # compile and launch errors of any kind

@@ -71,3 +71,28 @@ def test_kernel_failure_falls_back_once_with_one_warning(monkeypatch):
     assert len(calls) == 1, "a failed kernel is not retried on every call"
     with pytest.raises(RuntimeError, match="simulated"):
         fused_vision.position_embeddings(table, ids, backend="triton")
+
+
+def test_kernels_launch_on_their_tensors_device(monkeypatch):
+    """Triton launches on the current device: a model spread over GPUs calls the ops with tensors on another
+    one, so dispatch makes theirs current for the launch, and switches nothing when it already is."""
+    current, entered = [0], []
+
+    class DeviceContext:  # stands in for torch.cuda.device on this GPU-less machine
+        def __init__(self, index):
+            self.index = index
+
+        def __enter__(self):
+            entered.append(self.index)
+            current[0], self.previous = self.index, current[0]
+
+        def __exit__(self, *exc):
+            current[0] = self.previous
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current[0])
+    monkeypatch.setattr(torch.cuda, "device", DeviceContext)
+    launched_on = []
+    for index in (1, 0):
+        for backend in ("triton", "auto"):
+            _dispatch.dispatch("op", backend, torch.device("cuda", index), lambda: launched_on.append(current[0]), None)
+    assert launched_on == [1, 1, 0, 0] and entered == [1, 1] and current == [0]
