@@ -14,6 +14,8 @@ import warnings
 from typing import Callable
 
 import torch
+import torch.autograd.forward_ad as fwAD
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 BACKENDS = ("auto", "triton", "reference")
 ENV_BACKEND = "FUSED_VISION_BACKEND"
@@ -72,13 +74,36 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return "reference"
 
 
+_PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
 def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
-    """Whether a call must go through its registered torch.library op: under torch.compile, or when
-    autograd will record it. Plain eager inference skips the dispatcher's overhead and calls the
-    implementation directly."""
-    if torch.compiler.is_compiling():
+    """Whether a call must go through its registered torch.library op: under torch.compile or another
+    tracer (a dispatch mode, fake or other tensor subclasses), or when autograd will record it. Plain
+    eager inference skips the dispatcher's overhead and calls the implementation directly."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return True
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    grad = torch.is_grad_enabled()
+    return any(t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or grad and t.requires_grad) for t in tensors)
+
+
+def forward_ad_tangents(op: str, backend: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether forward-mode AD carries a tangent on one of ``tensors``: the kernels and the registered
+    ops would drop it silently, so the caller runs the reference, whose PyTorch ops carry it (warned
+    once; with backend="triton" this raises instead)."""
+    if fwAD._current_level < 0 or not any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
+        return False
+    requested = _requested(backend)
+    if requested == "triton":
+        raise RuntimeError(f"backend='triton': fused_vision.{op} has no forward-mode AD; use backend='reference'")
+    if requested == "auto":
+        _warn_once(f"fused_vision.{op}: forward-mode AD runs the PyTorch reference, which carries tangents")
+    return True
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

@@ -125,6 +125,7 @@ def check_pool_inputs(
     if padding_positions is None:
         raise TypeError("padding_positions: expected a (B, N) bool tensor, got None")
     check_shape("hidden_states", hidden_states, (batch, seq_len, hidden_states.shape[2]), "(B, N, D) like position_ids")
-    if isinstance(output_length, bool) or not isinstance(output_length, int) or output_length < 1:
+    # A SymInt under torch.compile with dynamic shapes (transformers computes L from a tensor's shape).
+    if isinstance(output_length, bool) or not isinstance(output_length, (int, torch.SymInt)) or output_length < 1:
         raise ValueError(f"output_length: expected a positive int, got {output_length!r}")
     check_same_device(hidden_states=hidden_states, position_ids=position_ids, padding_positions=padding_positions)

@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._dispatch import check_backend, dispatch, through_dispatcher
+from ._dispatch import check_backend, dispatch, forward_ad_tangents, through_dispatcher
 from ._validation import check_patch_embed_inputs, check_position_ids_range
 from .position_embedding import table_grad
 
@@ -19,7 +19,9 @@ def _triton(pixel_values, weight, table, position_ids, padding_positions):
 
 def _reference(pixel_values, weight, table, position_ids, padding_positions):
     check_position_ids_range(position_ids, table.shape[1])  # before: the reference indexes with the ids
-    return reference.patch_embed(pixel_values, weight, table, position_ids, padding_positions)
+    # The op projects in the weight's dtype on every backend: autocast must not recast the reference's linear.
+    with torch.autocast(weight.device.type, enabled=False):
+        return reference.patch_embed(pixel_values, weight, table, position_ids, padding_positions)
 
 
 def _forward(pixel_values, weight, table, position_ids, padding_positions, backend):
@@ -103,6 +105,8 @@ def patch_embed(
     check_backend(backend)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
+    if forward_ad_tangents("patch_embed", backend, pixel_values, weight, table):
+        return _reference(pixel_values, weight, table, position_ids, padding_positions)
     if through_dispatcher(pixel_values, weight, table):
         return _patch_embed_op(pixel_values, weight, table, position_ids, padding_positions, backend)
     return _forward(pixel_values, weight, table, position_ids, padding_positions, backend)

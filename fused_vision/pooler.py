@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._dispatch import check_backend, dispatch, through_dispatcher
+from ._dispatch import check_backend, dispatch, forward_ad_tangents, through_dispatcher
 from ._validation import check_pool_inputs, id_checks_enabled
 
 
@@ -21,7 +21,7 @@ def _triton(hidden_states, position_ids, padding_positions, output_length):
 
 
 def _forward(hidden_states, position_ids, padding_positions, output_length, backend):
-    return dispatch(
+    pooled, mask = dispatch(
         "pool_by_positions",
         backend,
         hidden_states.device,
@@ -32,6 +32,8 @@ def _forward(hidden_states, position_ids, padding_positions, output_length, back
         padding_positions,
         output_length,
     )
+    # Contiguous on every path, as the op's fake: when N == L both follow the inputs' strides.
+    return pooled.contiguous(), mask.contiguous()
 
 
 @torch.library.custom_op("fused_vision::pool_by_positions", mutates_args=())
@@ -44,7 +46,7 @@ def _pool_by_positions_op(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     pooled, mask = _forward(hidden_states, position_ids, padding_positions, output_length, backend)
     # A custom op may not return one of its inputs, which is stock's mask when N == L.
-    return pooled, mask.clone() if mask is padding_positions else mask
+    return pooled, mask.clone(memory_format=torch.contiguous_format) if mask is padding_positions else mask
 
 
 @_pool_by_positions_op.register_fake
@@ -135,7 +137,11 @@ def pool_by_positions(
     """
     check_pool_inputs(hidden_states, position_ids, padding_positions, output_length)
     check_backend(backend)
-    reference.pooling_kernel_size(hidden_states.shape[1], output_length)  # stock's errors for lengths that do not divide
+    # Stock's errors for lengths that do not divide; traced sizes may be symbolic, and the op checks them at run time.
+    if not torch.compiler.is_compiling():
+        reference.pooling_kernel_size(hidden_states.shape[1], output_length)
+    if forward_ad_tangents("pool_by_positions", backend, hidden_states):
+        return reference.pool_by_positions(hidden_states, position_ids, padding_positions, output_length)
     if through_dispatcher(hidden_states):
         return _pool_by_positions_op(hidden_states, position_ids, padding_positions, output_length, backend)
     return _forward(hidden_states, position_ids, padding_positions, output_length, backend)

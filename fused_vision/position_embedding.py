@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._dispatch import check_backend, dispatch, through_dispatcher
+from ._dispatch import check_backend, dispatch, forward_ad_tangents, through_dispatcher
 from ._validation import check_position_ids_range, check_position_inputs
 
 
@@ -18,7 +18,8 @@ def _triton(table, position_ids, padding_positions, residual):
 
 def _reference(table, position_ids, padding_positions, residual):
     check_position_ids_range(position_ids, table.shape[1])  # before: the reference indexes with the ids
-    return reference.position_embeddings(table, position_ids, padding_positions, residual=residual)
+    # Contiguous, as the kernel's output and the op's fake, whatever the residual's strides.
+    return reference.position_embeddings(table, position_ids, padding_positions, residual=residual).contiguous()
 
 
 def _forward(table, position_ids, padding_positions, residual, backend):
@@ -126,6 +127,8 @@ def position_embeddings(
     check_backend(backend)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
+    if forward_ad_tangents("position_embeddings", backend, table, residual):
+        return _reference(table, position_ids, padding_positions, residual)
     if through_dispatcher(table, residual):
         return _position_embeddings_op(table, position_ids, padding_positions, residual, backend)
     return _forward(table, position_ids, padding_positions, residual, backend)

@@ -9,6 +9,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._validation import id_checks_enabled
+
 
 def onehot_position_embeddings(
     table: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor
@@ -120,7 +122,9 @@ def pool_by_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooler as a scatter-add: same semantics as ``onehot_pool_by_positions``, no (B, N, L) one-hot.
 
-    Slots at or past ``output_length`` raise a ValueError (stock's ``F.one_hot`` raises too).
+    Slots at or past ``output_length`` raise a ValueError (stock's ``F.one_hot`` raises too), a check
+    that synchronises; where the id checks are off (``id_checks_enabled``: CUDA graph capture,
+    FUSED_VISION_CHECK_IDS=0) such an item comes out NaN instead, as from the kernel.
     """
     batch, seq_len, hidden = hidden_states.shape
     hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
@@ -128,14 +132,16 @@ def pool_by_positions(
         return hidden_states.float() * hidden**0.5, padding_positions
     k = pooling_kernel_size(seq_len, output_length)
     slots = pooling_slots(position_ids, k)
-    if slots.numel() and int(slots.max()) >= output_length:
+    overflow = slots >= output_length
+    if id_checks_enabled(position_ids) and overflow.any():
         raise slot_overflow_error(k, output_length)
+    slots = slots.masked_fill(overflow, 0)  # unchecked: an address in range; the item is NaN below
     sums = torch.zeros(batch, output_length, hidden, dtype=torch.float32, device=hidden_states.device)
     sums.scatter_add_(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())
-    pooled = (sums / (k * k)).to(hidden_states.dtype)
+    pooled = (sums / (k * k)).to(hidden_states.dtype).float() * hidden**0.5
     counts = torch.zeros(batch, output_length, dtype=torch.int32, device=hidden_states.device)
     counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
-    return pooled.float() * hidden**0.5, counts > 0
+    return pooled.masked_fill(overflow.any(dim=-1)[:, None, None], float("nan")), counts > 0
 
 
 def pool_by_positions_backward(

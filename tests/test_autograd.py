@@ -1,11 +1,14 @@
 """Gradients of every fused op against autograd through the stock formulation, torch.library checks,
 and torch.compile(fullgraph=True)."""
 
+import contextlib
+
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import fused_vision
-from fused_vision import reference
+from fused_vision import _dispatch, reference
 
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from test_patch_embed import make_inputs
@@ -187,3 +190,84 @@ def test_compile_fullgraph_forward_and_backward(backend):
     assert_close(loss, eager_loss, atol=1e-4, rtol=1e-5)
     for name, c, e in zip(["weight", "table"], compiled_grads, [weight.grad, table.grad]):
         assert_close(c, e, atol=1e-4, rtol=1e-5, what=f"compiled grad of {name}")
+
+
+def grid_ids(batch, side):
+    """(B, side * side, 2) row-major positions: every patch is a pooled one."""
+    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).flatten(0, 1)
+    return torch.stack([grid] * batch).to(DEVICE)
+
+
+def test_compile_dynamic_shapes_pooler():
+    """With dynamic shapes N and L are symbolic: the pooler traces without a graph break, and a second
+    image size runs through the same graph."""
+    def pool(hidden_states, ids):
+        return fused_vision.pool_by_positions(hidden_states, ids, (ids == -1).all(-1), ids.shape[1] // 9)[0]
+
+    compiled = torch.compile(pool, fullgraph=True, dynamic=True)
+    for side in (6, 9):
+        ids = grid_ids(2, side)
+        hidden_states = torch.randn(2, side * side, 16, device=DEVICE)
+        expected = reference.pool_by_positions(hidden_states, ids, (ids == -1).all(-1), side * side // 9)[0]
+        assert_close(compiled(hidden_states, ids), expected, atol=1e-5, rtol=1e-5, what=f"{side}x{side}")
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_forward_mode_ad_carries_tangents(backend):
+    """The kernels and the registered ops carry no tangent: forward-mode AD runs the reference (warned
+    once under "auto"), and backend="triton" refuses rather than drop the tangent."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    tangent = torch.randn_like(table)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
+    _dispatch._warn_once.cache_clear()
+    warned = pytest.warns(RuntimeWarning, match="forward-mode AD runs the PyTorch reference")
+    with fwAD.dual_level(), warned if backend == "auto" else contextlib.nullcontext():
+        out = fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids, backend=backend)
+        assert_bit_identical(fwAD.unpack_dual(out).tangent, reference.position_embeddings(tangent, ids))
+        dual = fwAD.make_dual(hidden_states, hidden_states)
+        pooled, _ = fused_vision.pool_by_positions(dual, pool_ids, pool_padding, 4, backend=backend)
+        assert_bit_identical(fwAD.unpack_dual(pooled).tangent, fwAD.unpack_dual(pooled).primal)  # linear: J h = f(h)
+        with pytest.raises(RuntimeError, match=r"backend='triton': fused_vision.position_embeddings has no forward"):
+            fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids, backend="triton")
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+def test_tracers_see_the_ops(tracing_mode):
+    """Under a tracer (a dispatch mode; FakeTensors in fake mode) eager inference calls take the registered
+    op, not the shortcut past the dispatcher, so the trace records them; the Triton path stays enabled."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    with torch.no_grad():
+        graph = make_fx(lambda t, i: fused_vision.position_embeddings(t, i), tracing_mode=tracing_mode)(table, ids)
+    assert "fused_vision.position_embeddings" in str(graph.code)
+    assert not _dispatch._failed
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_outputs_are_contiguous_whatever_the_inputs_strides(backend):
+    """As the ops' fakes say: a transposed residual, or N == L with transposed padding and hidden states."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    residual = torch.randn(11, 2, 8, device=DEVICE).transpose(0, 1)
+    assert fused_vision.position_embeddings(table, ids, residual=residual, backend=backend).is_contiguous()
+    hidden_states = torch.randn(16, 2, 8, device=DEVICE).transpose(0, 1)
+    pool_ids = grid_ids(2, 4)
+    padding = torch.zeros(16, 2, dtype=torch.bool, device=DEVICE).t()
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, pool_ids, padding, 16, backend=backend)
+    assert pooled.is_contiguous() and mask.is_contiguous()
+    pool_op = torch.ops.fused_vision.pool_by_positions.default
+    torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, backend))
+
+
+def test_patch_embed_ignores_autocast_on_every_backend():
+    """The op projects in the weight's dtype: under autocast the reference must not recast its linear, or
+    the result would depend on the backend."""
+    pixels, weight, table, ids = make_inputs(2, 9, 48, 16, 20, torch.float32, torch.float32, 2)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        outs = [fused_vision.patch_embed(pixels, weight, table, ids, backend=b) for b in ("triton", "reference")]
+    assert outs[0].dtype == outs[1].dtype == torch.float32
+    expected = fused_vision.patch_embed(pixels, weight, table, ids, backend="reference")
+    assert_bit_identical(outs[1], expected, "reference under autocast")

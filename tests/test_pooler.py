@@ -140,13 +140,14 @@ def test_bad_input(kwargs, error, pattern):
         fused_vision.pool_by_positions(**args)
 
 
-def test_unchecked_positions_beyond_the_slots_turn_the_item_nan(monkeypatch):
-    """With the synchronising checks off, an item whose patches overflow the slots is NaN, not short a
-    patch; the other items are untouched."""
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_unchecked_positions_beyond_the_slots_turn_the_item_nan(monkeypatch, backend):
+    """With the synchronising checks off (as during CUDA graph capture), an item whose patches overflow
+    the slots is NaN, not short a patch nor an out-of-range scatter; the other items are untouched."""
     monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
     hidden_states, ids, padding = make_batch([(6, 6), (6, 6)], 3, 4, 16, torch.float32)
-    expected, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend="triton")
+    expected, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
     ids[0, 0] = torch.tensor([2, 40])
-    pooled, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend="triton")
+    pooled, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
     assert pooled[0].isnan().all()
     assert_bit_identical(pooled[1], expected[1], "the other item")
