@@ -40,7 +40,14 @@ __all__ = ["apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "encode
 
 logger = logging.getLogger("fused_vision")
 
-_MISSING = object()
+class _Missing:
+    """No attribute there before the patch. Pickled by name, so an unpickled module still reverts."""
+
+    def __reduce__(self):
+        return "_MISSING"
+
+
+_MISSING = _Missing()
 _STATE = "_fused_vision"  # the _Fused a module (or a patched class) runs with; None pins a module to stock
 _SAVED = "_fused_vision_saved"  # on a patched instance: its own attributes before the patch
 _CLASS_ORIGINALS: dict[type, dict[str, object]] = {}  # patched class -> its attributes before the patch
@@ -230,12 +237,23 @@ def _extra_repr(self) -> str:
 # ---- patching and reverting ---------------------------------------------------------------------
 
 
-def _patch_class(cls: type, forward, fused: _Fused) -> None:
+def _set_class_attributes(cls: type, values: dict[str, object]) -> None:
     saved = _CLASS_ORIGINALS.setdefault(cls, {})
-    for name, value in (("forward", forward), ("extra_repr", _extra_repr), (_STATE, fused)):
+    for name, value in values.items():
         if name not in saved:
             saved[name] = cls.__dict__.get(name, _MISSING)
         setattr(cls, name, value)
+
+
+def _install_forward(cls: type, forward) -> None:
+    """The class's forward and repr become ours; they run stock code for every instance whose state (its
+    own, else the class's) is None, so other instances see no change."""
+    _set_class_attributes(cls, {"forward": forward, "extra_repr": _extra_repr})
+
+
+def _patch_class(cls: type, forward, fused: _Fused) -> None:
+    _install_forward(cls, forward)
+    _set_class_attributes(cls, {_STATE: fused})
 
 
 def _revert_class(cls: type) -> bool:
@@ -257,13 +275,17 @@ def _forward_slot(module: nn.Module) -> str:
 
 
 def _patch_instance(module: nn.Module, forward, fused: _Fused) -> None:
+    """The module's own state, read by its class's forward (installed here if the class is stock): the
+    instance holds no bound method of ours, so it pickles, deep-copies and replicates (DataParallel) as
+    any module. Only where accelerate's hook already holds the stock forward in ``_old_forward`` does
+    the module get a bound forward of ours there."""
+    _install_forward(_gemma_class(module), forward)
     attrs = module.__dict__
     if _SAVED not in attrs:
-        names = (_forward_slot(module), "extra_repr", _STATE)
-        attrs[_SAVED] = {name: attrs.get(name, _MISSING) for name in names}
-    slot = next(name for name in attrs[_SAVED] if name in ("forward", "_old_forward"))
-    attrs[slot] = types.MethodType(forward, module)
-    attrs["extra_repr"] = types.MethodType(_extra_repr, module)
+        hooked = _forward_slot(module) == "_old_forward"
+        attrs[_SAVED] = {name: attrs.get(name, _MISSING) for name in (_STATE, *(["_old_forward"] if hooked else []))}
+    if "_old_forward" in attrs[_SAVED]:
+        attrs["_old_forward"] = types.MethodType(forward, module)
     attrs[_STATE] = fused
     _PATCHED_INSTANCES.add(module)
 
@@ -272,7 +294,8 @@ def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
     """Undo the module's own patch; True when it was running a fused op (its own or its class's).
 
     ``pin``: while the class is patched, pin the module to stock code (``_fused_vision = None``);
-    without it, also drop such a pin (the global reset).
+    without it, also drop such a pin (the global reset). A module keeping a state or a pin stays
+    tracked, so that the global reset reaches it.
     """
     attrs = module.__dict__
     was_fused = getattr(module, _STATE, None) is not None
@@ -285,11 +308,9 @@ def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
                 attrs[name] = value
     if pin and getattr(module, _STATE, None) is not None:
         attrs[_STATE] = None
-        _PATCHED_INSTANCES.add(module)
-    else:
-        if not pin and _STATE in attrs and attrs[_STATE] is None:
-            del attrs[_STATE]
-        _PATCHED_INSTANCES.discard(module)
+    elif not pin and attrs.get(_STATE, _MISSING) is None:
+        del attrs[_STATE]
+    (_PATCHED_INSTANCES.add if _STATE in attrs else _PATCHED_INSTANCES.discard)(module)
     return was_fused
 
 
@@ -398,8 +419,12 @@ def vllm_plugin() -> None:
     """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
     process it starts, its model workers included, where a class patch made in the launching script
     does not reach. Opt-in: patches transformers' Gemma 4 classes only when FUSED_VISION_VLLM=1."""
-    if os.environ.get(ENV_VLLM) == "1":
+    if os.environ.get(ENV_VLLM) != "1":
+        return
+    try:
         apply_fused_vision_to_gemma4()
+    except ImportError as exc:  # vLLM runs its plugins unguarded: a raise here would stop every process
+        logger.warning("fused_vision: %s=1 but Gemma 4 cannot be patched here (%s)", ENV_VLLM, exc)
 
 
 # ---- the batched encoder --------------------------------------------------------------------------
@@ -514,9 +539,14 @@ def encode_images(
 
     Returns:
         A list of (T_i, D) soft tokens in the input order, equal (within floating-point tolerance) to
-        running the tower on each item alone. Inputs are moved to the tower's device.
+        running the tower on each item alone. Inputs are moved to the tower's device. Inference only:
+        it runs without autograd, whose saved activations the planner's chunks do not budget for.
     """
-    tower = _resolve_tower(vision_tower)
+    with torch.no_grad():
+        return _encode_images(_resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch)
+
+
+def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[torch.Tensor]:
     if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
         raise ValueError(f"max_batch: expected a positive int or None, got {max_batch!r}")
     pixels, ids, stacked = _items(pixel_values, pixel_position_ids)

@@ -8,6 +8,7 @@ reruns this file in a subprocess with FUSED_VISION_TRANSFORMERS_ONEHOT on PYTHON
 import copy
 import importlib.metadata
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -303,6 +304,45 @@ def test_instance_patch_with_and_without_a_class_patch():
     assert not any("_fused_vision" in vars(m) for m in model.modules())
 
 
+def test_instance_patch_pickles_and_replicates_as_any_module():
+    """The patch lives in the module's state and its class's forward, not in bound methods: a pickled
+    tower loads and runs fused, a DataParallel replica runs on its own parameters, and an unpickled or
+    deep-copied module runs stock once everything is reverted."""
+    tower = make_tower(seed=4)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    apply_fused_vision_to_gemma4(tower)
+    fused = run_tower(tower, pixels, ids)
+    loaded = pickle.loads(pickle.dumps(tower))
+    assert fused_ops(loaded) == fused_ops(tower)
+    assert_bit_identical(run_tower(loaded, pixels, ids), fused, "unpickled tower")
+
+    embedder = tower.patch_embedder
+    replica = embedder._replicate_for_data_parallel()  # what nn.DataParallel makes for each GPU
+    replica.position_embedding_table = torch.zeros_like(embedder.position_embedding_table)
+    with torch.no_grad():
+        projection = replica.input_proj(2 * (pixels - 0.5))
+        assert_close(replica(pixels, ids), projection, **FP32_CLOSE, what="replica with its own zero table")
+        assert not torch.allclose(embedder(pixels, ids), projection), "the original keeps its table"
+
+    twin = copy.deepcopy(tower)
+    revert_fused_vision_gemma4()
+    stock = run_tower(tower, pixels, ids)
+    for other in (loaded, twin):
+        assert "fused_vision" not in repr(other)
+        assert_bit_identical(run_tower(other, pixels, ids), stock, "stock after the global revert")
+
+
+def test_a_pin_to_stock_never_outlives_the_global_revert():
+    tower = make_tower()
+    apply_fused_vision_to_gemma4()
+    revert_fused_vision_gemma4(tower)  # pinned to stock under the class patch
+    apply_fused_vision_to_gemma4(tower)
+    revert_fused_vision_gemma4(tower)
+    revert_fused_vision_gemma4()
+    apply_fused_vision_to_gemma4()
+    assert fused_ops(tower) == ["patch_embed(backend=auto)", "pool_by_positions(backend=auto)"]
+
+
 def test_instance_patch_of_a_loaded_model_matches_stock():
     model = tiny_conditional_generation()
     randomize(model.model.vision_tower, seed=3)
@@ -332,12 +372,17 @@ def test_errors():
     assert fused_ops(tower) == []
 
 
-def test_clear_import_error_without_gemma4(monkeypatch):
+def test_clear_import_error_without_gemma4(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "transformers.models.gemma4.modeling_gemma4", None)
     with pytest.raises(ImportError, match="has no Gemma 4"):
         apply_fused_vision_to_gemma4()
     with pytest.raises(ImportError, match="has no Gemma 4"):
         revert_fused_vision_gemma4(nn.Linear(2, 2))
+    # vLLM calls its plugins unguarded in every process: there it warns instead
+    monkeypatch.setenv("FUSED_VISION_VLLM", "1")
+    with caplog.at_level("WARNING", logger="fused_vision"):
+        fg.vllm_plugin()
+    assert "FUSED_VISION_VLLM=1 but Gemma 4 cannot be patched here" in caplog.text
 
 
 @pytest.mark.skipif(VERSION < (5, 10), reason="gemma4_unified is newer than the one-hot era")
@@ -472,6 +517,14 @@ def test_encode_images_one_at_a_time_is_the_tower_forward(planner_calls, fused):
         got = encode_images(tower, pixels, ids, max_batch=1)
     for index, (g, e) in enumerate(zip(got, per_item_stock(tower, pixels, ids), strict=True)):
         assert_bit_identical(g, e, f"item {index}")
+
+
+def test_encode_images_runs_without_autograd(planner_calls):
+    """A loaded model's parameters require grad; the planner budgets inference, not saved activations."""
+    tower = make_tower()
+    assert all(p.requires_grad for p in tower.parameters())
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    assert all(tokens.grad_fn is None for tokens in encode_images(tower, pixels, ids))
 
 
 def test_encode_images_list_of_mixed_sizes(planner_calls):
