@@ -96,6 +96,25 @@ def _(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype,
     return grad_pooled.new_empty((*position_ids.shape[:2], grad_pooled.shape[2]), dtype=hidden_dtype)
 
 
+def _backward_setup_context(ctx, inputs, output):
+    grad_pooled, position_ids, padding_positions, output_length, hidden_dtype, backend = inputs
+    ctx.save_for_backward(position_ids, padding_positions)
+    ctx.output_length, ctx.grad_dtype, ctx.backend = output_length, grad_pooled.dtype, backend
+
+
+def _backward_backward(ctx, grad_of_grad_hidden):
+    """Double backward: the hidden-state gradient is linear in the pooled one, and its transpose is the
+    pooler itself (the same k x k sums and sqrt(D) / k^2 scale, through the pooler's one rounding)."""
+    position_ids, padding_positions = ctx.saved_tensors
+    pooled, _ = pool_by_positions(
+        grad_of_grad_hidden, position_ids, padding_positions, ctx.output_length, backend=ctx.backend
+    )
+    return pooled.to(ctx.grad_dtype), None, None, None, None, None
+
+
+pool_by_positions_backward.register_autograd(_backward_backward, setup_context=_backward_setup_context)
+
+
 def _setup_context(ctx, inputs, output):
     hidden_states, position_ids, padding_positions, output_length, backend = inputs
     ctx.save_for_backward(position_ids, padding_positions)

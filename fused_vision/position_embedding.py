@@ -82,6 +82,23 @@ def _(grad, position_ids, padding_positions, num_positions, dtype, backend):
     return grad.new_empty((2, num_positions, grad.shape[2]), dtype=dtype)
 
 
+def _table_grad_setup_context(ctx, inputs, output):
+    grad, position_ids, padding_positions, num_positions, dtype, backend = inputs
+    ctx.save_for_backward(position_ids, padding_positions)
+    ctx.grad_dtype, ctx.backend = grad.dtype, backend
+
+
+def _table_grad_backward(ctx, grad_of_table_grad):
+    """Double backward: the table gradient is linear in the output gradient, and its transpose is the
+    lookup itself (the two rows of each non-padding patch, summed and rounded once)."""
+    position_ids, padding_positions = ctx.saved_tensors
+    rows = grad_of_table_grad.to(ctx.grad_dtype)
+    return position_embeddings(rows, position_ids, padding_positions, backend=ctx.backend), None, None, None, None, None
+
+
+table_grad.register_autograd(_table_grad_backward, setup_context=_table_grad_setup_context)
+
+
 def _setup_context(ctx, inputs, output):
     table, position_ids, padding_positions, residual, backend = inputs
     ctx.save_for_backward(position_ids, padding_positions)

@@ -157,6 +157,11 @@ def op_samples():
         ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, "auto")),
         ("position_embeddings_table_grad", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
         ("pool_by_positions_backward", (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, "auto")),
+        # gradients that require grad: double backward through the backward ops
+        ("position_embeddings_table_grad",
+         (torch.randn(2, 11, 24, requires_grad=True), ids, padding, 20, torch.float32, "auto")),
+        ("pool_by_positions_backward",
+         (torch.randn(2, 4, 24, requires_grad=True), pool_ids, pool_padding, 4, torch.float32, "auto")),
     ]
 
 
@@ -271,3 +276,29 @@ def test_patch_embed_ignores_autocast_on_every_backend():
     assert outs[0].dtype == outs[1].dtype == torch.float32
     expected = fused_vision.patch_embed(pixels, weight, table, ids, backend="reference")
     assert_bit_identical(outs[1], expected, "reference under autocast")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_double_backward_matches_autograd_through_the_reference(backend):
+    """create_graph=True, then differentiate the gradient in the output gradient: the backward ops'
+    own backward (the lookup, the pooler) against autograd through the plain PyTorch reference."""
+    table = torch.randn(2, 20, 8, device=DEVICE, requires_grad=True)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
+    hidden_states.requires_grad_(True)
+    cases = [
+        ("lookup", table, lambda t: fused_vision.position_embeddings(t, ids, backend=backend),
+         lambda t: reference.position_embeddings(t, ids)),
+        ("pooler", hidden_states,
+         lambda h: fused_vision.pool_by_positions(h, pool_ids, pool_padding, 4, backend=backend)[0],
+         lambda h: reference.pool_by_positions(h, pool_ids, pool_padding, 4)[0]),
+    ]  # fmt: skip
+    for name, leaf, fused, stock in cases:
+        upstream = torch.randn_like(stock(leaf)).requires_grad_(True)
+        probe = torch.randn_like(leaf)
+
+        def grad_of_grad(forward):
+            (grad,) = torch.autograd.grad(forward(leaf), leaf, upstream, create_graph=True)
+            return torch.autograd.grad((grad * probe).sum(), upstream)[0]
+
+        assert_close(grad_of_grad(fused), grad_of_grad(stock), atol=1e-5, rtol=1e-5, what=f"{name}: grad of grad")
