@@ -50,6 +50,9 @@ class _Missing:
 _MISSING = _Missing()
 _STATE = "_fused_vision"  # the _Fused a module (or a patched class) runs with; None pins a module to stock
 _SAVED = "_fused_vision_saved"  # on a patched instance: its own attributes before the patch
+# On a class with our forward: its stock forward, for the modules that run stock code. An attribute
+# rather than a lookup keyed by class, which torch.compile resolves to the wrong class.
+_STOCK_FORWARD = "_fused_vision_stock_forward"
 _CLASS_ORIGINALS: dict[type, dict[str, object]] = {}  # patched class -> its attributes before the patch
 _PATCHED_INSTANCES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -151,7 +154,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
         or not isinstance(pixel_position_ids, torch.Tensor)
         or pixel_position_ids.dtype not in INDEX_DTYPES
     ):
-        return _stock("embedder", "forward")(self, pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
+        return getattr(self, _STOCK_FORWARD)(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
 
     weight = self.input_proj.weight
     if (
@@ -203,8 +206,8 @@ def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, 
         or padding_positions.dtype != torch.bool
         or torch.is_autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
     ):
-        stock = _stock("pooler", "forward")
-        return stock(self, hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)
+        stock = getattr(self, _STOCK_FORWARD)
+        return stock(hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)
     pooled, mask = _fused_pool_by_positions(
         hidden_states,
         pixel_position_ids,
@@ -248,7 +251,8 @@ def _set_class_attributes(cls: type, values: dict[str, object]) -> None:
 def _install_forward(cls: type, forward) -> None:
     """The class's forward and repr become ours; they run stock code for every instance whose state (its
     own, else the class's) is None, so other instances see no change."""
-    _set_class_attributes(cls, {"forward": forward, "extra_repr": _extra_repr})
+    stock_forward = _stock_attr(cls, "forward")
+    _set_class_attributes(cls, {"forward": forward, "extra_repr": _extra_repr, _STOCK_FORWARD: stock_forward})
 
 
 def _patch_class(cls: type, forward, fused: _Fused) -> None:

@@ -448,6 +448,23 @@ def test_torch_compile_traces_the_patched_modules():
     assert fused_breaks == stock_breaks
 
 
+def test_compiled_towers_that_run_stock_beside_patched_ones():
+    """Towers running stock code through the installed forward (never patched, reverted, or pinned under a
+    class patch) compile and run stock's ops, bit for bit."""
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    patched, plain = make_tower(seed=1), make_tower(seed=2)
+    stock = {name: run_tower(tower, pixels, ids) for name, tower in (("patched", patched), ("plain", plain))}
+    apply_fused_vision_to_gemma4(patched)
+    assert_bit_identical(run_tower(torch.compile(plain, backend="eager"), pixels, ids), stock["plain"], "never patched")
+    compiled = torch.compile(patched, backend="eager")
+    run_tower(compiled, pixels, ids)
+    revert_fused_vision_gemma4(patched)
+    assert_bit_identical(run_tower(compiled, pixels, ids), stock["patched"], "reverted")
+    apply_fused_vision_to_gemma4()
+    revert_fused_vision_gemma4(plain)  # pinned to stock under the class patch
+    assert_bit_identical(run_tower(torch.compile(plain, backend="eager"), pixels, ids), stock["plain"], "pinned")
+
+
 def test_patched_tower_compiles_fullgraph():
     """With stock's one break (the boolean-mask strip of padding) captured as a dynamic-shape op, the
     whole patched tower is one graph, forward and backward."""
