@@ -40,6 +40,7 @@ __all__ = ["apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "encode
 
 logger = logging.getLogger("fused_vision")
 
+
 class _Missing:
     """No attribute there before the patch. Pickled by name, so an unpickled module still reverts."""
 
@@ -286,8 +287,8 @@ def _patch_instance(module: nn.Module, forward, fused: _Fused) -> None:
     _install_forward(_gemma_class(module), forward)
     attrs = module.__dict__
     if _SAVED not in attrs:
-        hooked = _forward_slot(module) == "_old_forward"
-        attrs[_SAVED] = {name: attrs.get(name, _MISSING) for name in (_STATE, *(["_old_forward"] if hooked else []))}
+        names = (_STATE, "_old_forward") if _forward_slot(module) == "_old_forward" else (_STATE,)
+        attrs[_SAVED] = {name: attrs.get(name, _MISSING) for name in names}
     if "_old_forward" in attrs[_SAVED]:
         attrs["_old_forward"] = types.MethodType(forward, module)
     attrs[_STATE] = fused
