@@ -8,7 +8,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_close, dtype_id
+from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from test_position_embeddings import make_ids
 
 BACKENDS = ["triton", "reference"]
@@ -20,8 +20,9 @@ ACCUMULATION = 1e-5
 
 
 def make_inputs(batch, seq_len, features, hidden, num_positions, dtype, pixel_dtype, padded_tail):
+    """Random pixels on every row, padding rows too: what the kernel writes there is their projection
+    (processors pad with zero pixels, which would hide a kernel that skips them)."""
     pixels = torch.rand(batch, seq_len, features, device=DEVICE).to(pixel_dtype)
-    pixels[:, seq_len - padded_tail :] = 0.0  # processors pad pixels with 0 and ids with (-1, -1)
     weight = (torch.randn(hidden, features, device=DEVICE) / features**0.5).to(dtype)
     table = torch.randn(2, num_positions, hidden, device=DEVICE).to(dtype)
     ids = make_ids(batch, seq_len, num_positions, padded_tail=padded_tail, half_padded=2).to(DEVICE)
@@ -59,6 +60,32 @@ def test_matches_stock_and_is_as_accurate(poisoned, backend, pixel_dtype, dtype,
 
     exact = reference.patch_embed(pixels.double(), weight.double(), table.double(), ids)
     assert_as_accurate_as_stock(actual, stock, exact, floor=1e-12)
+
+
+@pytest.mark.parametrize("pixel_dtype", [torch.float32, torch.bfloat16], ids=lambda d: "pixels_" + dtype_id(d))
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_bit_identical_to_stock_where_the_gemm_is_exact(poisoned, dtype, pixel_dtype):
+    """Pixels on a 2**-6 grid and weights of 4 significant bits: every product and partial sum of the
+    K = 48 terms is exact in fp32, so any summation order gives stock's accumulator, and the roundings
+    after it (to the weight dtype, then of the sum with the position rows) must match stock's bit for bit."""
+    generator = torch.Generator().manual_seed(7)
+    pixels = (torch.randint(0, 64, (3, 37, 48), generator=generator) / 64).to(DEVICE, pixel_dtype)
+    weight = (torch.randint(-16, 16, (33, 48), generator=generator) / 16).to(DEVICE, dtype)
+    table = torch.randn(2, 50, 33, generator=generator).to(DEVICE, dtype)
+    ids = make_ids(3, 37, 50, padded_tail=6, half_padded=2, generator=generator).to(DEVICE)
+    actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
+    assert_bit_identical(actual, reference.patch_embed(pixels, weight, table, ids))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_explicit_padding_overrides_ids(poisoned, backend):
+    """A padding mask that is not the ids' (-1, -1): its rows get no position embedding, the others do."""
+    pixels, weight, table, ids = make_inputs(2, 30, 48, 40, 30, torch.float32, torch.float32, 0)
+    padding = torch.rand(2, 30, device=DEVICE) < 0.3
+    actual = fused_vision.patch_embed(pixels, weight, table, ids, padding, backend=backend)
+    projection = torch.nn.functional.linear(2 * (pixels - 0.5), weight)
+    expected = projection + reference.onehot_position_embeddings(table, ids, padding)
+    assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
