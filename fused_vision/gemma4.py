@@ -131,6 +131,13 @@ def _onehot_lookup() -> bool:
 # ---- the patched methods ---------------------------------------------------------------------------
 
 
+def _stock_forward(module: nn.Module):
+    """The module's stock forward, bound: kept on its class while ours is installed there, else the class's
+    own (a forward of ours saved before a revert, e.g. in accelerate's ``_old_forward``, still works)."""
+    stock = getattr(module, _STOCK_FORWARD, None)
+    return stock if stock is not None else types.MethodType(type(module).forward, module)
+
+
 def _plain_linear(linear: nn.Module) -> bool:
     """An ``nn.Linear`` whose weight the fused embedder may read directly (no bias, hooks or quantization)."""
     if not isinstance(linear, nn.Linear) or linear.bias is not None:
@@ -155,7 +162,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
         or not isinstance(pixel_position_ids, torch.Tensor)
         or pixel_position_ids.dtype not in INDEX_DTYPES
     ):
-        return getattr(self, _STOCK_FORWARD)(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
+        return _stock_forward(self)(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
 
     weight = self.input_proj.weight
     if (
@@ -207,7 +214,7 @@ def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, 
         or padding_positions.dtype != torch.bool
         or torch.is_autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
     ):
-        stock = getattr(self, _STOCK_FORWARD)
+        stock = _stock_forward(self)
         return stock(hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)
     pooled, mask = _fused_pool_by_positions(
         hidden_states,
@@ -262,6 +269,8 @@ def _patch_class(cls: type, forward, fused: _Fused) -> None:
 
 
 def _revert_class(cls: type) -> bool:
+    """Restore the class; True when it had a patch of its own (not only the forward an instance patch
+    installed)."""
     saved = _CLASS_ORIGINALS.pop(cls, None)
     if saved is None:
         return False
@@ -271,7 +280,7 @@ def _revert_class(cls: type) -> bool:
                 delattr(cls, name)
         else:
             setattr(cls, name, value)
-    return True
+    return _STATE in saved
 
 
 def _forward_slot(module: nn.Module) -> str:

@@ -332,6 +332,23 @@ def test_instance_patch_pickles_and_replicates_as_any_module():
         assert_bit_identical(run_tower(other, pixels, ids), stock, "stock after the global revert")
 
 
+def test_forwards_saved_before_the_global_revert_run_stock_after_it():
+    """accelerate keeps the forward it found in ``_old_forward`` (ours, after a class patch): after the
+    global revert it runs stock code; and the revert counts only what the user patched."""
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    padding = (ids == -1).all(-1)
+    with torch.no_grad():
+        stock = tower.patch_embedder(pixels, ids, padding)
+    assert apply_fused_vision_to_gemma4() == 2
+    saved = tower.patch_embedder.forward
+    assert revert_fused_vision_gemma4() == 2
+    with torch.no_grad():
+        assert_bit_identical(saved(pixels, ids, padding), stock, "a saved forward after the revert")
+    assert apply_fused_vision_to_gemma4(tower) == 2
+    assert revert_fused_vision_gemma4() == 2, "two instance patches undone, no class patch"
+
+
 def test_a_pin_to_stock_never_outlives_the_global_revert():
     tower = make_tower()
     apply_fused_vision_to_gemma4()
