@@ -177,18 +177,21 @@ def main():
         start, done = time.perf_counter(), len(results)
         try:
             check(device, results, **(SMOKE_SIZES if args.smoke else SIZES))
+            if device.type == "cuda":  # inside: a sticky CUDA error surfaces here, as this check's failure
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
         except Exception as exc:  # a compile or out-of-memory error fails this check, not the ones after it
             traceback.print_exc()
             results.append(dict(check=check.__name__, error=f"{type(exc).__name__}: {exc}", ok=False))
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.empty_cache()
         print(f"{check.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
         for row in results[done:]:
             print(("PASS " if row["ok"] else "FAIL ") + json.dumps(row), flush=True)
-        # Rewritten after every check: a time box that interrupts the script keeps the finished ones.
-        with open(os.path.join(args.out, "gpu_checks.json"), "w") as f:
+        # Rewritten after every check, whole or not at all: a time box that interrupts the script keeps
+        # the finished ones.
+        path = os.path.join(args.out, "gpu_checks.json")
+        with open(path + ".tmp", "w") as f:
             json.dump(dict(environment=environment, results=results), f, indent=1)
+        os.replace(path + ".tmp", path)
     passed = all(row["ok"] for row in results) and (args.smoke or any(row.get("over_2_31") for row in results))
     sys.exit(0 if passed else 1)
 

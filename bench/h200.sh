@@ -57,6 +57,8 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
   timeout --foreground -s INT -k 15 "$box" "$@" || code=$?
   if [ "$code" -eq 124 ]; then
     echo "=== $name reached its time box (what ran is in the log and its report)"
+    # Only the kernel tests may stop short by design; a checking step cut short did not check everything.
+    [ "$name" = gpu_tests ] || status=1
   elif [ "$code" -eq 137 ]; then
     echo "=== $name KILLED: still running 15 s after its time box's SIGINT"
     status=1

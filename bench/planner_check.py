@@ -181,13 +181,17 @@ def check(config: Gemma4VisionConfig, cases, device: torch.device, dtype: torch.
 
 
 def write_results(rows: list[Row], out_dir: Path, meta: dict) -> None:
+    """planner_check.csv and .json, each replaced whole, so an interrupted run leaves no torn file."""
     out_dir.mkdir(parents=True, exist_ok=True)
     records = [{**asdict(row), "ratio": round(row.ratio, 4), "ok": row.ok} for row in rows]
-    with open(out_dir / "planner_check.csv", "w", newline="") as f:
+    csv_path, json_path = out_dir / "planner_check.csv", out_dir / "planner_check.json"
+    with open(csv_path.with_suffix(".csv.tmp"), "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(records[0]))
         writer.writeheader()
         writer.writerows(records)
-    (out_dir / "planner_check.json").write_text(json.dumps({**meta, "rows": records}, indent=2) + "\n")
+    json_path.with_suffix(".json.tmp").write_text(json.dumps({**meta, "rows": records}, indent=2) + "\n")
+    os.replace(csv_path.with_suffix(".csv.tmp"), csv_path)
+    os.replace(json_path.with_suffix(".json.tmp"), json_path)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

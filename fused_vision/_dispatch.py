@@ -75,16 +75,22 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's and torch.func's tensors
+
+
+def _plain(t: torch.Tensor) -> bool:
+    return type(t) in _PLAIN_TENSOR_TYPES and not _functorch_wrapped(t)
 
 
 def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must go through its registered torch.library op: under torch.compile or another
-    tracer (a dispatch mode, fake or other tensor subclasses), or when autograd will record it. Plain
-    eager inference skips the dispatcher's overhead and calls the implementation directly."""
+    tracer (a dispatch mode, fake or other tensor subclasses, torch.func transforms), or when autograd
+    will record it. Plain eager inference skips the dispatcher's overhead and calls the implementation
+    directly; a kernel never sees a tensor it cannot read."""
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return True
     grad = torch.is_grad_enabled()
-    return any(t is not None and (type(t) not in _PLAIN_TENSOR_TYPES or grad and t.requires_grad) for t in tensors)
+    return any(t is not None and (not _plain(t) or grad and t.requires_grad) for t in tensors)
 
 
 def forward_ad_tangents(op: str, backend: str, *tensors: torch.Tensor | None) -> bool:

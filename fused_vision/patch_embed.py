@@ -1,5 +1,7 @@
 """The public Gemma 4 patch embedder: prescale, projection, lookup, padding mask and add in one kernel."""
 
+import contextlib
+
 import torch
 
 from . import reference
@@ -20,7 +22,9 @@ def _triton(pixel_values, weight, table, position_ids, padding_positions):
 def _reference(pixel_values, weight, table, position_ids, padding_positions):
     check_position_ids_range(position_ids, table.shape[1])  # before: the reference indexes with the ids
     # The op projects in the weight's dtype on every backend: autocast must not recast the reference's linear.
-    with torch.autocast(weight.device.type, enabled=False):
+    device_type = weight.device.type
+    no_autocast = torch.autocast(device_type, enabled=False) if torch.amp.is_autocast_available(device_type) else None
+    with no_autocast or contextlib.nullcontext():
         return reference.patch_embed(pixel_values, weight, table, position_ids, padding_positions)
 
 

@@ -257,6 +257,19 @@ def test_tracers_see_the_ops(tracing_mode):
     assert not _dispatch._failed
 
 
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+def test_vmap_takes_the_op_and_leaves_the_kernels_enabled():
+    """vmap's batched tensors cannot reach a kernel: the call takes the registered op (PyTorch's
+    per-item fallback), gives each item's lookup, and no kernel failure is recorded."""
+    tables = torch.randn(3, 2, 20, 8, device=DEVICE)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    with torch.no_grad():
+        batched = torch.func.vmap(lambda table: fused_vision.position_embeddings(table, ids))(tables)
+    expected = torch.stack([reference.position_embeddings(table, ids) for table in tables])
+    assert_bit_identical(batched, expected)
+    assert not _dispatch._failed
+
+
 @pytest.mark.parametrize("backend", ["triton", "reference"])
 def test_outputs_are_contiguous_whatever_the_inputs_strides(backend):
     """As the ops' fakes say: a transposed residual, or N == L with transposed padding and hidden states."""

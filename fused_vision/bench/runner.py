@@ -335,7 +335,7 @@ def run(options: Options) -> Path:
     plan = Plan.of(options)
     options.out.mkdir(parents=True, exist_ok=True)
     log = Log(options.out / "log.txt")
-    sigint_handler = None  # set while the reports of an interrupted run are written
+    sigint_ignored, sigint_handler = False, None  # while the reports of an interrupted run are written
     try:
         session = Session(options, log, plan.task_count())
         env = session.environment
@@ -354,6 +354,7 @@ def run(options: Options) -> Path:
             run_sections(session, plan)
         except KeyboardInterrupt:  # Ctrl-C, or a time box's SIGINT: keep what was measured
             sigint_handler = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second must not cut the reports
+            sigint_ignored = True
             session.interrupted = True
             log("interrupted: writing the reports of what was measured so far")
         written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(STEM_OPS))
@@ -361,8 +362,8 @@ def run(options: Options) -> Path:
         log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
     finally:
         log.close()
-        if sigint_handler is not None:
-            signal.signal(signal.SIGINT, sigint_handler)
+        if sigint_ignored:  # None: a handler not set from Python, which signal.signal cannot restore
+            signal.signal(signal.SIGINT, signal.default_int_handler if sigint_handler is None else sigint_handler)
     if session.interrupted:
         raise KeyboardInterrupt(f"bench interrupted; what it measured is written in {options.out}")
     if session.failed_sections:
