@@ -129,15 +129,14 @@ def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, r
     chosen = resolve_backend(backend, device)
     if chosen == "reference" or (chosen == "auto" and (op, device.type) in _failed):
         return reference_fn(*args)
-    if chosen == "triton":
-        with on_device(device):
-            return triton_fn(*args)
     try:
         with on_device(device):
             return triton_fn(*args)
     except (ValueError, TypeError):  # the input's fault: the reference would raise it too
         raise
     except Exception as exc:  # compile and launch errors of any kind
+        if chosen == "triton":  # asked for by name: its errors are the caller's to see
+            raise
         _failed.add((op, device.type))
         warnings.warn(
             f"fused_vision.{op}: the Triton kernel failed on {device.type} ({type(exc).__name__}: {exc}); "
