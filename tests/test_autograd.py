@@ -13,7 +13,7 @@ from fused_vision.kernels import position_embedding as lookup_kernel
 
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from test_patch_embed import make_inputs
-from test_pooler import make_batch
+from test_pooler import image_ids, make_batch
 from test_position_embeddings import make_ids
 
 BACKENDS = ["triton", "reference"]
@@ -205,8 +205,7 @@ def test_compile_fullgraph_forward_and_backward(backend):
 
 def grid_ids(batch, side):
     """(B, side * side, 2) row-major positions: every patch is a pooled one."""
-    grid = torch.stack(torch.meshgrid(torch.arange(side), torch.arange(side), indexing="xy"), -1).flatten(0, 1)
-    return torch.stack([grid] * batch).to(DEVICE)
+    return torch.stack([image_ids(side, side, side * side)] * batch).to(DEVICE)
 
 
 def test_compile_dynamic_shapes_pooler():
