@@ -62,7 +62,15 @@ def _(pixel_values, weight, table, position_ids, padding_positions, backend):
 
 def _setup_context(ctx, inputs, output):
     pixel_values, weight, table, position_ids, padding_positions, backend = inputs
-    ctx.save_for_backward(pixel_values, weight, position_ids, padding_positions)
+    needs_pixels_grad, needs_weight_grad = ctx.needs_input_grad[:2]
+    # Only what the requested gradients read: the pixels (as large as the output) for the weight's.
+    ctx.save_for_backward(
+        pixel_values if needs_weight_grad else None,
+        weight if needs_pixels_grad else None,
+        position_ids,
+        padding_positions,
+    )
+    ctx.pixel_dtype, ctx.weight_dtype = pixel_values.dtype, weight.dtype
     ctx.num_positions, ctx.backend = table.shape[1], backend
 
 
@@ -71,12 +79,12 @@ def _backward(ctx, grad):
     pixel_values, weight, position_ids, padding_positions = ctx.saved_tensors
     grad_pixels = grad_weight = grad_table = None
     if ctx.needs_input_grad[0]:
-        grad_pixels = (grad @ weight).to(pixel_values.dtype) * 2
+        grad_pixels = (grad @ weight).to(ctx.pixel_dtype) * 2
     if ctx.needs_input_grad[1]:
-        projected = reference.prescale_pixels(pixel_values, weight.dtype)
+        projected = reference.prescale_pixels(pixel_values, ctx.weight_dtype)
         grad_weight = grad.flatten(0, 1).t() @ projected.flatten(0, 1)
     if ctx.needs_input_grad[2]:
-        grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, weight.dtype, ctx.backend)
+        grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, ctx.weight_dtype, ctx.backend)
     return grad_pixels, grad_weight, grad_table, None, None, None
 
 

@@ -89,6 +89,22 @@ def test_patch_embed_skips_the_pixel_gradient_unless_asked():
     assert pixels.grad is None and table.grad is None and weight.grad is not None
 
 
+@pytest.mark.parametrize("trainable", ["table", "weight", "pixel_values"])
+def test_patch_embed_keeps_only_what_the_requested_gradients_read(trainable):
+    """The pixels, as large as the output, are kept only for the weight's gradient; the weight only for
+    the pixels'."""
+    pixels, weight, table, ids = make_inputs(2, 9, 48, 16, 30, torch.bfloat16, torch.float32, 2)
+    inputs = {"pixel_values": pixels, "weight": weight, "table": table}
+    inputs[trainable].requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fused_vision.patch_embed(pixels, weight, table, ids)
+    kept = {name for name, t in inputs.items() if any(s.data_ptr() == t.data_ptr() for s in saved)}
+    assert kept == {"weight": {"pixel_values"}, "pixel_values": {"weight"}, "table": set()}[trainable]
+    out.backward(torch.randn_like(out))
+    assert inputs[trainable].grad is not None
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize(
