@@ -3,25 +3,25 @@ report what each costs: shared memory, registers, spills, and the matrix instruc
 
     python bench/hopper_compile.py [--out DIR]
 
-Triton lowers to PTX on any machine and its bundled ptxas assembles it; the registers and spills are
-read off that ptxas run's own log (the binary a GPU would load, with Triton's choice of ptxas and its
-flags, which change between Triton releases). This catches what the CPU interpreter cannot: kernels that do not compile for the GPU, tiles that overflow shared memory,
-register spills, and a half-precision embedder GEMM that misses Hopper's asynchronous tensor cores
-(wgmma), which would cap it far below the GEMM floor. The arguments are the launchers' own, captured
-from calls on small CPU tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow
-with N, at N=2520 and 10080), so the specialisations match a real launch. Exits 1 when a kernel does
-not compile, overflows shared memory, spills registers, or (the bf16/fp16 embedder) builds no wgmma.
+Triton lowers to PTX on any machine and its bundled ptxas assembles it; registers and spills are read
+off that ptxas run's own log, so they are the binary's a GPU would load, built with the ptxas and flags
+Triton chose (both change between Triton releases). This catches what the CPU interpreter cannot:
+kernels that do not compile for the GPU, tiles that overflow shared memory, register spills, and a
+half-precision embedder GEMM that misses Hopper's asynchronous tensor cores (wgmma), which would cap
+it far below the GEMM floor. The arguments are the launchers' own, captured from calls on small CPU
+tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow with N, at N=2520 and
+10080), so the specialisations match a real launch. Exits 1 when a kernel does not compile, overflows
+shared memory, spills registers, or (the bf16/fp16 embedder) builds no wgmma.
 Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
 """
 
 import argparse
-import contextlib
 import csv
 import io
 import os
 import re
 import sys
-from contextlib import ExitStack
+from contextlib import ExitStack, redirect_stdout
 from pathlib import Path
 from unittest import mock
 
@@ -98,7 +98,7 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict):
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
     # Build afresh (a cache hit runs no ptxas) and keep the log Triton's ptxas -v writes.
     log = io.StringIO()
-    with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope(), contextlib.redirect_stdout(log):
+    with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope(), redirect_stdout(log):
         triton.knobs.compilation.always_compile = True
         triton.knobs.nvidia.dump_ptxas_log = True
         compiled = triton.compile(source, target=HOPPER, options=options)
