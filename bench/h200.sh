@@ -18,7 +18,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 out="$(realpath -m "${OUT:-bench/out/h200}")"  # absolute: the steps may run from a staged copy (below)
 python="${PYTHON:-python3}"
-# Fastest first: each autotuned embedder shape compiles six configs, so the whole files may outrun the box.
+# Fastest first: each autotuned embedder shape compiles five configs, so the whole files may outrun the box.
 gpu_tests=(tests/test_validation.py tests/test_pooler.py tests/test_position_embeddings.py tests/test_patch_embed.py)
 if [ -n "${H200_DRY_RUN:-}" ]; then
   gpu_checks_args=(--smoke)
