@@ -54,14 +54,15 @@ def id_checks_enabled(position_ids: torch.Tensor) -> bool:
 
 
 def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:
-    """Ids must lie in [-1, P). One min/max reduction and one device-to-host sync (see id_checks_enabled)."""
+    """Ids must lie below P; negative ids read row 0, as stock's ``clamp(min=0)`` makes them.
+    One max reduction and one device-to-host sync (see id_checks_enabled)."""
     if position_ids.numel() == 0 or not id_checks_enabled(position_ids):
         return
-    low, high = torch.stack(torch.aminmax(position_ids)).tolist()
-    if low < -1 or high >= num_positions:
+    high = position_ids.max().item()
+    if high >= num_positions:
         raise ValueError(
-            f"position_ids: expected values in [-1, {num_positions}) (-1 marks padding; "
-            f"{num_positions} = position_embedding_size), got values in [{low}, {high}]"
+            f"position_ids: expected values below {num_positions} (= position_embedding_size; "
+            f"negative ids read row 0, -1 on both axes marks padding), got a maximum of {high}"
         )
 
 

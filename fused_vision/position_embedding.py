@@ -130,7 +130,8 @@ def position_embeddings(
 
     Args:
         table: (2, P, D) float32, float16 or bfloat16; ``table[0]`` holds x rows, ``table[1]`` y rows.
-        position_ids: (B, N, 2) int32 or int64 (x, y) in [-1, P); -1 marks padding.
+        position_ids: (B, N, 2) int32 or int64 (x, y) below P; negative ids read row 0
+            (stock's clamp) and (-1, -1) marks padding.
         padding_positions: (B, N) bool; defaults to ``(position_ids == -1).all(-1)``.
         residual: optional (B, N, D) in the table's dtype; the result is then ``residual + pe``,
             rounded as the stock ``hidden_states + position_embeddings``, without a (B, N, D) temporary.

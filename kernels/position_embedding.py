@@ -31,11 +31,11 @@ def load_positions(
 def table_rows(x, y, padding, row_in, num_positions):
     """Which table rows each row of a tile touches, in both directions (lookup and gradient).
 
-    Returns the ids clamped at 0 (stock's clamp: a lone -1 reads row 0), whether they are in range,
-    and whether the row touches the table at all: in range, not padding, inside the tensor. The host
+    Returns the ids clamped at 0 (stock's clamp: a negative id reads row 0), whether they are below P,
+    and whether the row touches the table at all: below P, not padding, inside the tensor. The host
     checks the range; rows that slip past it (a skipped check) touch nothing.
     """
-    ids_valid = (x >= -1) & (x < num_positions) & (y >= -1) & (y < num_positions)
+    ids_valid = (x < num_positions) & (y < num_positions)
     touches = row_in & ~padding & ids_valid
     return tl.maximum(x, 0), tl.maximum(y, 0), ids_valid, touches
 
@@ -56,7 +56,7 @@ def position_embedding_tile(
     DTYPE: tl.constexpr,
 ):
     """fp32 tile holding round_DTYPE(table[0, x] + table[1, y]), 0 on padding rows, NaN on rows whose
-    ids are out of range."""
+    ids are P or above."""
     x, y, ids_valid, lookup = table_rows(x, y, padding, row_in, num_positions)
     lookup_tile = lookup[:, None] & col_in[None, :]
     col_offsets = cols[None, :] * stride_table_d

@@ -153,6 +153,19 @@ def test_lookup_alone_is_bit_identical(dtype):
     assert_bit_identical(run_tower(tower, pixels, ids), stock, "tower")
 
 
+@pytest.mark.parametrize("patch_embedder", [False, True], ids=["lookup_alone", "patch_embed"])
+def test_negative_ids_that_are_not_padding_run_as_stock(patch_embedder):
+    """Stock clamps any negative id to 0 and pads only (-1, -1) patches; a patched tower takes the same ids."""
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    ids[0, 3] = torch.tensor([-2, 1])
+    ids[2, 1] = torch.tensor([-5, -5])
+    stock = run_tower(tower, pixels, ids)
+    exact = run_tower(float64_twin(tower), pixels.double(), ids)
+    apply_fused_vision_to_gemma4(tower, patch_embedder=patch_embedder)
+    assert_soft_tokens_match(run_tower(tower, pixels, ids), stock, exact, what="soft tokens")
+
+
 @pytest.mark.parametrize("standardize", [False, True], ids=["plain", "standardize"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_every_fused_op_matches_stock(dtype, standardize):
