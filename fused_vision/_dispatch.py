@@ -79,14 +79,16 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's a
 
 
 def _plain(t: torch.Tensor) -> bool:
-    return type(t) in _PLAIN_TENSOR_TYPES and not _functorch_wrapped(t)
+    """A tensor whose data a kernel can read: not a subclass, a transform's wrapper or a meta tensor."""
+    return type(t) in _PLAIN_TENSOR_TYPES and not t.is_meta and not _functorch_wrapped(t)
 
 
 def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must go through its registered torch.library op: under torch.compile or another
-    tracer (a dispatch mode, fake or other tensor subclasses, torch.func transforms), or when autograd
-    will record it. Plain eager inference skips the dispatcher's overhead and calls the implementation
-    directly; a kernel never sees a tensor it cannot read."""
+    tracer (a dispatch mode, fake or other tensor subclasses, torch.func transforms), for meta tensors
+    (the op's fake implementation gives their shapes), or when autograd will record it. Plain eager
+    inference skips the dispatcher's overhead and calls the implementation directly; a kernel never
+    sees a tensor it cannot read. Every tensor argument counts, the ids and padding mask included."""
     if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
         return True
     grad = torch.is_grad_enabled()

@@ -148,6 +148,12 @@ def _plain_linear(linear: nn.Module) -> bool:
     return type(weight) in (torch.Tensor, nn.Parameter) and weight.dtype in FLOAT_DTYPES
 
 
+def _autocast_enabled(device_type: str) -> bool:
+    """``torch.is_autocast_enabled`` that answers False for device types without autocast (e.g. meta),
+    where it raises."""
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
 def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=None, *args, **kwargs):
     """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
     fused = getattr(self, _STATE, None)
@@ -169,7 +175,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
         fused.op == "patch_embed"
         and _plain_linear(self.input_proj)
         and weight.dtype == table.dtype
-        and not torch.is_autocast_enabled(pixel_values.device.type)
+        and not _autocast_enabled(pixel_values.device.type)
     ):
         return _fused_patch_embed(
             pixel_values, weight, table, pixel_position_ids, padding_positions, backend=fused.backend
@@ -181,7 +187,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
         pixel_values = pixel_values.to(weight.dtype)
     hidden_states = self.input_proj(pixel_values)
     device_type = hidden_states.device.type
-    if fused.onehot_lookup and torch.is_autocast_enabled(device_type):
+    if fused.onehot_lookup and _autocast_enabled(device_type):
         # 5.5-5.9's one-hot matmul runs in the autocast dtype: its rows come out rounded to it
         table = table.to(torch.get_autocast_dtype(device_type))
     backend = fused.backend
@@ -212,7 +218,7 @@ def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, 
         or pixel_position_ids.dtype not in INDEX_DTYPES
         or not isinstance(padding_positions, torch.Tensor)
         or padding_positions.dtype != torch.bool
-        or torch.is_autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
+        or _autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
     ):
         stock = _stock_forward(self)
         return stock(hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)

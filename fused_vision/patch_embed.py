@@ -119,6 +119,6 @@ def patch_embed(
         padding_positions = reference.default_padding_positions(position_ids)
     if forward_ad_tangents("patch_embed", backend, pixel_values, weight, table):
         return _reference(pixel_values, weight, table, position_ids, padding_positions)
-    if through_dispatcher(pixel_values, weight, table):
+    if through_dispatcher(pixel_values, weight, table, position_ids, padding_positions):
         return _patch_embed_op(pixel_values, weight, table, position_ids, padding_positions, backend)
     return _forward(pixel_values, weight, table, position_ids, padding_positions, backend)

@@ -161,6 +161,6 @@ def pool_by_positions(
         reference.pooling_kernel_size(hidden_states.shape[1], output_length)
     if forward_ad_tangents("pool_by_positions", backend, hidden_states):
         return reference.pool_by_positions(hidden_states, position_ids, padding_positions, output_length)
-    if through_dispatcher(hidden_states):
+    if through_dispatcher(hidden_states, position_ids, padding_positions):
         return _pool_by_positions_op(hidden_states, position_ids, padding_positions, output_length, backend)
     return _forward(hidden_states, position_ids, padding_positions, output_length, backend)

@@ -147,6 +147,6 @@ def position_embeddings(
         padding_positions = reference.default_padding_positions(position_ids)
     if forward_ad_tangents("position_embeddings", backend, table, residual):
         return _reference(table, position_ids, padding_positions, residual)
-    if through_dispatcher(table, residual):
+    if through_dispatcher(table, position_ids, padding_positions, residual):
         return _position_embeddings_op(table, position_ids, padding_positions, residual, backend)
     return _forward(table, position_ids, padding_positions, residual, backend)

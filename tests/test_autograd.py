@@ -272,16 +272,62 @@ def test_tracers_see_the_ops(tracing_mode):
     assert not _dispatch._failed
 
 
-@pytest.mark.filterwarnings("ignore:There is a performance drop")
-def test_vmap_takes_the_op_and_leaves_the_kernels_enabled():
-    """vmap's batched tensors cannot reach a kernel: the call takes the registered op (PyTorch's
-    per-item fallback), gives each item's lookup, and no kernel failure is recorded."""
-    tables = torch.randn(3, 2, 20, 8, device=DEVICE)
+def _vmap_cases():
+    """Each op with one argument batched by vmap, and that argument's stack of 3."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
     ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    stacked_ids = torch.stack([make_ids(2, 11, 20, padded_tail=i) for i in range(3)]).to(DEVICE)
+    pixels, weight = torch.rand(2, 11, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
+    hidden_states = torch.randn(2, 16, 8, device=DEVICE)
+    pool_ids = torch.stack([torch.stack([image_ids(4, 4, 16), image_ids(w, 4, 16)]) for w in (2, 3, 4)]).to(DEVICE)
+    return {
+        "lookup_over_table": (
+            lambda t: fused_vision.position_embeddings(t, ids),
+            torch.randn(3, 2, 20, 8, device=DEVICE),
+        ),
+        "lookup_over_ids": (lambda i: fused_vision.position_embeddings(table, i), stacked_ids),
+        "patch_embed_over_ids": (lambda i: fused_vision.patch_embed(pixels, weight, table, i), stacked_ids),
+        "pooler_over_ids": (
+            lambda i: fused_vision.pool_by_positions(hidden_states, i, (i == -1).all(-1), 4)[0],
+            pool_ids,
+        ),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("case", list(_vmap_cases()))
+def test_vmap_takes_the_op_and_leaves_the_kernels_enabled(case):
+    """vmap's batched tensors, float or index, cannot reach a kernel: the call takes the registered op
+    (PyTorch's per-item fallback), gives each item's eager result, and no kernel failure is recorded."""
+    op, stacked = _vmap_cases()[case]
     with torch.no_grad():
-        batched = torch.func.vmap(lambda table: fused_vision.position_embeddings(table, ids))(tables)
-    expected = torch.stack([reference.position_embeddings(table, ids) for table in tables])
+        batched = torch.func.vmap(op)(stacked)
+        expected = torch.stack([op(item) for item in stacked])
     assert_bit_identical(batched, expected)
+    assert not _dispatch._failed
+
+
+@pytest.mark.parametrize("op", ["position_embeddings", "patch_embed", "pool_by_positions"])
+def test_meta_tensors_get_the_shapes_and_dtypes_of_real_ones(op):
+    """Meta tensors (shape inference, e.g. a model built on the meta device) take the registered op,
+    whose fake gives what the real call returns; no id check or kernel reads their missing data."""
+    table, ids = torch.randn(2, 20, 8, dtype=torch.bfloat16), make_ids(2, 16, 20, padded_tail=3)
+    args = {
+        "position_embeddings": (table, ids),
+        "patch_embed": (torch.rand(2, 16, 12), torch.randn(8, 12, dtype=torch.bfloat16), table, ids),
+        "pool_by_positions": (
+            torch.randn(2, 16, 8, dtype=torch.bfloat16),
+            image_ids(4, 4, 16).expand(2, -1, -1),
+            torch.zeros(2, 16, dtype=torch.bool),
+            4,
+        ),
+    }[op]
+    def run(device):
+        out = getattr(fused_vision, op)(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
+        return out if isinstance(out, tuple) else (out,)
+
+    for real, meta in zip(run(DEVICE), run("meta")):
+        assert meta.is_meta and (meta.shape, meta.dtype) == (real.shape, real.dtype)
     assert not _dispatch._failed
 
 

@@ -432,6 +432,23 @@ def test_stock_path_for_inputs_the_ops_do_not_take():
     assert_bit_identical(run_tower(tower, pixels.double(), ids), stock, "float64 tower (stock code)")
 
 
+def test_patched_modules_on_the_meta_device_give_stock_shapes():
+    """Shape inference on the meta device, where there is no autocast to ask about and no data to read."""
+    tower = make_tower().to("meta")
+    pixels, ids = (t.to("meta") for t in make_inputs(GRIDS, SEQ_LEN))
+    padding = (ids == -1).all(-1)
+    hidden_states = torch.empty(len(GRIDS), SEQ_LEN, 32, device="meta")
+
+    def outputs():
+        with torch.no_grad():
+            return tower.patch_embedder(pixels, ids, padding), *tower.pooler(hidden_states, ids, padding, 16)
+
+    stock = outputs()
+    assert apply_fused_vision_to_gemma4(tower) == 2
+    for got, expected in zip(outputs(), stock, strict=True):
+        assert got.is_meta and (got.shape, got.dtype) == (expected.shape, expected.dtype)
+
+
 def test_accelerate_style_hooks_are_kept():
     """accelerate (device_map, offload) wraps ``forward`` and keeps the module's own in ``_old_forward``."""
     tower = make_tower()
