@@ -91,7 +91,7 @@ def slot_overflow_error(k: int, output_length: int) -> ValueError:
 
 def pooling_slots(position_ids: torch.Tensor, k: int) -> torch.Tensor:
     """The output slot of every patch: k x k blocks of positions, numbered row-major over the item's width."""
-    clamped = position_ids.clamp(min=0)
+    clamped = position_ids.clamp(min=0).long()  # int32 ids past ~46,000 would wrap the slot numbers
     max_x = clamped[..., 0].amax(dim=-1, keepdim=True) + 1
     return clamped[..., 0] // k + (max_x // k) * (clamped[..., 1] // k)
 

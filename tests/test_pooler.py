@@ -143,6 +143,18 @@ def test_positions_beyond_the_slots(backend):
         fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_int32_positions_whose_slot_passes_2_to_the_31(backend):
+    """Slots are numbered in int64: a lone int32 patch at (46,341, 46,341) needs slot 46,341**2 >= 2**31,
+    which must not wrap to a negative slot and slip past the check."""
+    hidden_states = torch.randn(1, 16, 8, device=DEVICE)
+    ids = torch.full((1, 16, 2), -1, dtype=torch.int32, device=DEVICE)
+    ids[0, 0] = 2 * 46_341
+    padding = (ids == -1).all(-1)
+    with pytest.raises(ValueError, match=r"position_ids: the 2x2 blocks of positions need more than output_length=4"):
+        fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
+
+
 @pytest.mark.parametrize(
     "kwargs,error,pattern",
     [
