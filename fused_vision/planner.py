@@ -302,4 +302,5 @@ def _encoder_peak_bytes(shape: _TowerShape, patches: int, dtype_bytes: int) -> i
 
 
 def _current_device() -> torch.device:
-    return torch.accelerator.current_accelerator() or torch.device("cpu")
+    # check_available: a CUDA build of torch names "cuda" even on a machine without a GPU or driver.
+    return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")

@@ -160,6 +160,19 @@ def test_plan_defaults_to_the_current_accelerator(monkeypatch):
     assert plan(1000, FRAME, TOWER_26B_31B) == 67
 
 
+def test_plan_on_a_cuda_build_without_a_gpu_plans_for_the_cpu(monkeypatch):
+    """torch.accelerator names the build's accelerator unless asked whether one is available."""
+    def cuda_build(check_available=False):
+        return None if check_available else torch.device("cuda")
+
+    def no_driver(*args, **kwargs):
+        raise RuntimeError("Found no NVIDIA driver on your system")
+
+    monkeypatch.setattr(torch.accelerator, "current_accelerator", cuda_build)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_driver)
+    assert 1 <= plan(4, FRAME, TOWER_26B_31B) <= 4
+
+
 def _tower_with(**changes):
     return SimpleNamespace(**{**vars(TOWER_26B_31B), **changes})
 
