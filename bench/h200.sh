@@ -40,6 +40,10 @@ trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT
 export PYTHONUNBUFFERED=1
 export TRITON_PRINT_AUTOTUNING=1  # the log keeps each key's winning tile, to prune the candidates later
 
+archive() {  # after every step, run or skipped: a run cut short still brings back the finished steps' files
+  tar -czf "$checks.tgz" -C "$checks" . && mv "$checks.tgz" "$out/checks.tgz"  # built outside $OUT: no 9th file
+}
+
 status=0
 step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step without stopping the others
   local name=$1 box=$2; shift 2
@@ -47,6 +51,7 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
   if [ "$left" -lt 20 ]; then
     echo "=== $name skipped: ${left} s left before the deadline"
     status=1
+    archive
     return
   fi
   [ "$box" -gt "$left" ] && box=$left
@@ -67,13 +72,15 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
     status=1
   fi
   echo "=== $name took $((SECONDS - start)) s"
+  archive
 }
 
-# The device reaches no registry, so the install builds with the setuptools it has. Where it cannot (an
+# The device reaches no registry, so the install builds with the setuptools it has, and --no-index keeps
+# pip from trying one (its version check included). Where it cannot (an
 # old setuptools), the steps run in a copy of the tree laid out as installed (fused_vision.kernels from
 # kernels/), rather than lose the lease to a packaging error or to pip waiting on a registry; only the
 # version then reads 0+unknown. The copy is also the working directory, which `python -m` puts first.
-if ! "$python" -m pip install -q --no-deps --no-build-isolation -e .; then
+if ! "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
   staged="$(mktemp -d)"
   cp -r pyproject.toml fused_vision bench tests "$staged/" && cp -r kernels "$staged/fused_vision/kernels" || exit 1
   cd "$staged" || exit 1
@@ -88,6 +95,5 @@ step bench 330 "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
 step planner_check 120 "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}"
 step gpu_tests 60 "$python" -m pytest -q -x -p no:cacheprovider "${gpu_tests[@]}" --junitxml "$checks/gpu_tests.xml"
 
-tar -czf "$out/checks.tgz" -C "$checks" .
 cat "$out/results.md" 2>/dev/null
 exit "$status"

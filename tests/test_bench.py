@@ -17,7 +17,7 @@ import torch
 from fused_vision.__main__ import main
 from fused_vision.bench import Case, report, runner, targets
 from fused_vision.bench.ops import STEM_OPS, Lookup, LookupBackward, PatchEmbed, PatchEmbedBackward, Pooler, PoolerBackward
-from fused_vision.bench.workloads import position_ids, soft_token_grid
+from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
 from conftest import DEVICE
 
@@ -95,18 +95,34 @@ def test_compiled_provider(tmp_path):
 
 
 def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
-    """Past the time budget a run loses compiled rows first, and of those the embedder's (#5's goal) last."""
-    sections = []
-    monkeypatch.setattr(runner, "bench_stem", lambda session, ops, providers, *_: sections.append((providers, ops)))
+    """Past the time budget a run loses compiled rows first, and of those the embedder's at #5's case (its
+    goal) last."""
+    sections, compiled_cases = [], []
+
+    def bench_stem(session, ops, providers, cases, hidden_sizes):
+        sections.append((providers, ops))
+        if providers == ("compiled",):
+            compiled_cases.extend((case.name, hidden) for hidden in hidden_sizes for case in cases)
+
+    monkeypatch.setattr(runner, "bench_stem", bench_stem)
     monkeypatch.setattr(runner, "bench_tower", lambda session, op, *_: sections.append(op))
     ops = ("lookup", "pooler", "patch_embed", "tower_e2b_e4b")
-    options = runner.Options(device=DEVICE, out=tmp_path, ops=ops, providers=("onehot", "compiled", "fused"))
+    options = runner.Options(
+        device=DEVICE,
+        out=tmp_path,
+        ops=ops,
+        providers=("onehot", "compiled", "fused"),
+        cases=GPU_CASES,
+        hidden_sizes=(768, 1152),
+    )
     runner.run_sections(runner.Session(options, runner.Log(tmp_path / "log.txt"), 0), runner.Plan.of(options))
     assert sections == [
         (("onehot", "fused"), ("lookup", "patch_embed", "pooler")),
         "tower_e2b_e4b",
         (("compiled",), ("patch_embed", "lookup", "pooler")),
     ]
+    assert compiled_cases[0] == ("image_32x280", 1152)
+    assert sorted(compiled_cases) == sorted((case.name, hidden) for hidden in (768, 1152) for case in GPU_CASES)
 
 
 def test_time_budget_skips_what_would_start_late(tmp_path):
