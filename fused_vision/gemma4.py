@@ -149,9 +149,9 @@ def _plain_linear(linear: nn.Module) -> bool:
 
 
 def _autocast_enabled(device_type: str) -> bool:
-    """``torch.is_autocast_enabled`` that answers False for device types without autocast (e.g. meta),
-    where it raises."""
-    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+    """``torch.is_autocast_enabled``, False on the meta device, where it raises. (Not through
+    ``torch.amp.is_autocast_available``: torch 2.11's dynamo breaks the graph on it.)"""
+    return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
 def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=None, *args, **kwargs):
