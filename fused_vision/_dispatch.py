@@ -1,6 +1,6 @@
 """Backend choice: Triton where Triton drives the tensors' device, the PyTorch reference elsewhere.
 
-backend="auto" picks Triton for CUDA/ROCm/XPU tensors, or for any tensors when TRITON_INTERPRET=1,
+backend="auto" picks Triton for CUDA/ROCm/XPU tensors, or for CPU tensors when TRITON_INTERPRET=1,
 and the reference otherwise; FUSED_VISION_BACKEND ("triton" or "reference") overrides "auto".
 Under "auto", a Triton compile or launch failure warns once and sends that op on that device type to
 the reference from then on, so a broken toolchain costs one failed compile, not one per call.
