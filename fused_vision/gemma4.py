@@ -499,7 +499,12 @@ def _planner_path(tower: nn.Module) -> str:
 
 
 def _plan_chunk(
-    num_items: int, patches_per_item: int, tower: nn.Module, device: torch.device, dtype: torch.dtype
+    num_items: int,
+    patches_per_item: int,
+    tower: nn.Module,
+    device: torch.device,
+    dtype: torch.dtype,
+    input_bytes_per_item: int,
 ) -> int:
     """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
     from . import planner
@@ -508,7 +513,14 @@ def _plan_chunk(
     if getattr(tower.config, "_attn_implementation", None) not in (None, *planner.ATTENTION_IMPLEMENTATIONS):
         options["attn_implementation"] = "sdpa"  # flash-style kernels: no (N, N) scores, priced as sdpa
     return planner.plan(
-        num_items, patches_per_item, tower.config, path=_planner_path(tower), device=device, dtype=dtype, **options
+        num_items,
+        patches_per_item,
+        tower.config,
+        path=_planner_path(tower),
+        device=device,
+        dtype=dtype,
+        extra_bytes_per_item=input_bytes_per_item,
+        **options,
     )
 
 
@@ -577,8 +589,13 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
     for index, item in enumerate(pixels):
         buckets.setdefault(item.shape[0], []).append(index)
     outputs: list[torch.Tensor | None] = [None] * len(pixels)
+    # Each chunk's inputs are copied (stacked, or moved to the device) unless they are slices of one
+    # stacked tensor already there: the copy is the chunk's too.
+    copies_inputs = not (stacked and pixel_values.device == device)
     for patches, indices in buckets.items():
-        chunk = int(_plan_chunk(len(indices), patches, tower, device, dtype))
+        first = indices[0]
+        input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
+        chunk = int(_plan_chunk(len(indices), patches, tower, device, dtype, input_bytes))
         if max_batch is not None:
             chunk = min(chunk, max_batch)
         chunk = max(1, min(chunk, len(indices)))

@@ -32,6 +32,7 @@ Cost: peak transient bytes of one item in one tower forward, without autograd
                      = H·N·(b + 4) in float32  (transformers upcasts; float32 scores need no copy)
     mlp       = held + 2·b·D + 3·b·I           residual, input; activated gate, up projection, product
                                                (the same with clipped linears)
+      eager:  norm and mlp add H·N·b           the layer keeps the attention weights until it returns
 
     fused  = N · (max(embedder, norm, attention, mlp) + 64) · 21/20
     onehot = max(32·N·P, fused)                vLLM's price of the 5.5-5.9 embedder's one-hot
@@ -54,7 +55,8 @@ encoder's peak for every real config with sdpa, where ``plan(path="onehot")`` eq
 which vLLM's function does not see.
 
 Covered: transformers' stock Gemma 4 vision tower (F.embedding era) and fused_vision's lookup, which writes
-less; ``attn_implementation`` "sdpa" (transformers' default) or "eager"; inference only.
+less; ``attn_implementation`` "sdpa" (transformers' default; priced as the fused kernels of CUDA and the
+CPU, which hold no (N, N) scores; ``plan`` prices MPS's, which does, as eager) or "eager"; inference only.
 """
 
 from __future__ import annotations
@@ -102,24 +104,33 @@ def plan(
     total_bytes: int | None = None,
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str | None = None,
+    extra_bytes_per_item: int = 0,
 ) -> int:
     """Items to encode per vision-tower call: ``max(1, min(num_items, budget // cost))``.
 
     ``budget`` is vLLM's ``min(free // 2, total // 10)``; ``cost`` is ``transient_bytes_per_item`` of the
-    path in use. Memory comes from ``free_bytes`` and ``total_bytes`` when given, else from
-    ``device_memory(device)``, ``device`` defaulting to the current accelerator (the CPU without one).
-    With path="onehot" and sdpa this is ``min(num_items, encoder_chunk(...))`` for every real config.
+    path in use, plus ``extra_bytes_per_item`` (what the caller allocates per item beside the tower, e.g.
+    a device copy of its inputs). Memory comes from ``free_bytes`` and ``total_bytes`` when given, else
+    from ``device_memory(device)``, ``device`` defaulting to the current accelerator (the CPU without one).
+    On MPS, whose SDPA builds the (N, N) scores that CUDA's fused kernels never hold, sdpa is priced as
+    eager attention. With path="onehot" and sdpa on CUDA this is ``min(num_items, encoder_chunk(...))``
+    for every real config.
     """
     items = _positive_int("num_items", num_items)
-    cost = transient_bytes_per_item(
+    extra = _integer("extra_bytes_per_item", extra_bytes_per_item, 0)
+    if (free_bytes is None) != (total_bytes is None):
+        raise ValueError("free_bytes, total_bytes: pass both or neither")
+    if free_bytes is not None and device is not None:
+        raise ValueError("device: pass either a device or free_bytes and total_bytes, not both")
+    if free_bytes is None:
+        device = torch.device(device) if device is not None else _current_device()
+    if device is not None and device.type == "mps" and _attention(vision_config, attn_implementation) == "sdpa":
+        attn_implementation = "eager"
+    cost = extra + transient_bytes_per_item(
         patches_per_item, vision_config, path=path, dtype=dtype, attn_implementation=attn_implementation
     )
-    if free_bytes is None and total_bytes is None:
-        free, total = device_memory(device if device is not None else _current_device())
-    elif free_bytes is None or total_bytes is None:
-        raise ValueError("free_bytes, total_bytes: pass both or neither")
-    elif device is not None:
-        raise ValueError("device: pass either a device or free_bytes and total_bytes, not both")
+    if free_bytes is None:
+        free, total = device_memory(device)
     else:
         free, total = _integer("free_bytes", free_bytes, 0), _integer("total_bytes", total_bytes, 0)
     return max(1, min(items, _budget(free, total) // cost))
@@ -161,7 +172,9 @@ def device_memory(device: torch.device | str | int) -> tuple[int, int]:
 
     CUDA and ROCm (whose devices are "cuda" too): ``torch.cuda.mem_get_info``. XPU: ``torch.xpu.mem_get_info``.
     MPS: Metal's recommended working-set size as the total, less what the Metal driver holds for this
-    process. CPU: available and total RAM from the operating system (container limits are not read).
+    process. CPU: available and total RAM from the operating system, within the process's cgroup memory
+    limit (a container's) when it has one. Any other accelerator (HPU, an out-of-tree NPU, ...):
+    ``torch.accelerator.get_memory_info`` where this torch has it (2.10+).
     """
     device = torch.device(device)
     if device.type == "cuda":
@@ -173,10 +186,14 @@ def device_memory(device: torch.device | str | int) -> tuple[int, int]:
         free = max(0, total - torch.mps.driver_allocated_memory())
     elif device.type == "cpu":
         free, total = _host_memory()
+    elif hasattr(torch.accelerator, "get_memory_info") and device.type == getattr(
+        torch.accelerator.current_accelerator(check_available=True), "type", None
+    ):
+        free, total = torch.accelerator.get_memory_info(device)
     else:
         raise ValueError(
-            f"device: cannot query memory of device type {device.type!r}; expected cuda, xpu, mps or cpu "
-            "(or pass free_bytes and total_bytes)"
+            f"device: cannot query memory of device type {device.type!r}; expected cuda, xpu, mps, cpu or "
+            "this machine's accelerator with torch 2.10+ (or pass free_bytes and total_bytes)"
         )
     return int(free), int(total)
 
@@ -191,6 +208,16 @@ def _onehot_bytes(patches: int, table_rows: int) -> int:
 
 
 def _host_memory() -> tuple[int, int]:
+    """The host's available and total RAM, cut to the cgroup's limit and what it has left under it."""
+    free, total = _machine_memory()
+    limit = _cgroup_limit()
+    if limit is not None:
+        limit_bytes, used_bytes = limit
+        free, total = min(free, max(0, limit_bytes - used_bytes)), min(total, limit_bytes)
+    return free, total
+
+
+def _machine_memory() -> tuple[int, int]:
     try:  # Linux: MemAvailable counts reclaimable page cache, which sysconf's free pages do not
         with open("/proc/meminfo") as meminfo:
             fields = dict(line.split(":", 1) for line in meminfo)
@@ -202,6 +229,28 @@ def _host_memory() -> tuple[int, int]:
         return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
     except (AttributeError, ValueError, OSError) as exc:
         raise RuntimeError("device: cannot read this host's memory; pass free_bytes and total_bytes") from exc
+
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+# (limit, usage) files: cgroup v2, then v1. v2's limit reads "max" when there is none; v1's, a huge number.
+_CGROUP_FILES = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
+
+
+def _cgroup_limit() -> tuple[int, int] | None:
+    """(limit, usage) bytes of the memory cgroup mounted at CGROUP_ROOT, or None without a limit. In a
+    container (Docker, Kubernetes) that is the container's own; a process in a nested cgroup of a host
+    is not looked up."""
+    for limit_file, usage_file in _CGROUP_FILES:
+        try:
+            with open(os.path.join(CGROUP_ROOT, limit_file)) as f:
+                limit = f.read().strip()
+            with open(os.path.join(CGROUP_ROOT, usage_file)) as f:
+                usage = int(f.read().strip())
+            limit_bytes = None if limit == "max" else int(limit)
+        except (OSError, ValueError):
+            continue
+        return None if limit_bytes is None or limit_bytes >= 2**62 else (limit_bytes, usage)
+    return None
 
 
 def _kib_field(value: str) -> int:
@@ -239,6 +288,11 @@ def _positive_int(name: str, value) -> int:
     return _integer(name, value, 1)
 
 
+def _attention(vision_config, attn_implementation: str | None) -> str:
+    """The attention implementation asked for, else the config's, else transformers' default."""
+    return attn_implementation or getattr(vision_config, "_attn_implementation", None) or "sdpa"
+
+
 def _tower_shape(vision_config, attn_implementation: str | None) -> _TowerShape:
     def field(name: str) -> int:
         if not hasattr(vision_config, name):
@@ -251,7 +305,7 @@ def _tower_shape(vision_config, attn_implementation: str | None) -> _TowerShape:
         raise ValueError(f"vision_config.num_key_value_heads: expected {heads} (= num_attention_heads), got {kv_heads}")
     # patch_size defaults to Gemma 4's 16 (every released checkpoint).
     patch_size = _positive_int("vision_config.patch_size", getattr(vision_config, "patch_size", 16))
-    attention = attn_implementation or getattr(vision_config, "_attn_implementation", None) or "sdpa"
+    attention = _attention(vision_config, attn_implementation)
     if attention not in ATTENTION_IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation: expected one of {ATTENTION_IMPLEMENTATIONS}, got {attention!r}")
     return _TowerShape(
@@ -283,9 +337,11 @@ def _encoder_peak_bytes(shape: _TowerShape, patches: int, dtype_bytes: int) -> i
     b, n = dtype_bytes, patches
     D, I, H, d, F = shape.hidden, shape.intermediate, shape.heads, shape.head_dim, shape.pixel_features
     Q = H * d
+    kept_weights = 0
     if shape.attention == "eager":
         mask = b * n
         scores = H * n * (b + (4 if b == 4 else 8))  # softmax's float32 output, and its float32 input copy
+        kept_weights = H * n * b  # the encoder layer holds the attention weights (its `_`) until it returns
     else:
         mask = n
         aligned_copy = b * _ceil_div(n, 8) * 8 if n % 8 else 0  # memory-efficient attention's padded mask
@@ -294,9 +350,9 @@ def _encoder_peak_bytes(shape: _TowerShape, patches: int, dtype_bytes: int) -> i
 
     per_patch = max(
         max(8 * F, b * F + 5 * b * D),  # patch embedder
-        held + 2 * b * D + 8 * D,  # RMSNorm
+        held + kept_weights + 2 * b * D + 8 * D,  # RMSNorm
         held + b * D + 3 * b * Q + max(8 * Q, scores),  # attention
-        held + 2 * b * D + 3 * b * I,  # MLP
+        held + kept_weights + 2 * b * D + 3 * b * I,  # MLP
     )
     return n * (per_patch + _BOOKKEEPING_BYTES)
 

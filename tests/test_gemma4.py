@@ -538,7 +538,7 @@ def planner_calls(monkeypatch):
     """Stand-in for fused_vision.planner.plan: 3 items per call, recording what it was asked."""
     calls = []
 
-    def plan(num_items, patches_per_item, tower, device, dtype):
+    def plan(num_items, patches_per_item, tower, device, dtype, input_bytes_per_item):
         calls.append((num_items, patches_per_item, dtype))
         return 3
 
@@ -629,9 +629,13 @@ def test_encode_images_uses_the_planner(monkeypatch, fused):
     path = "onehot" if VERSION < (5, 10) and not fused else "fused"
     assert len(seen) == 1 and seen[0][0][:2] == (3, SEQ_LEN) and seen[0][0][2] is tower.config
     device = tower.patch_embedder.position_embedding_table.device
-    assert seen[0][1] == dict(path=path, device=device, dtype=torch.float32)
+    # slices of one stacked tensor on the tower's device: no input copy to price
+    assert seen[0][1] == dict(path=path, device=device, dtype=torch.float32, extra_bytes_per_item=0)
     for g, e in zip(got, per_item_stock(tower, pixels, ids), strict=True):
         assert_close(g, e, **FP32_CLOSE, what="soft tokens")
+    with torch.no_grad():
+        encode_images(model_with(tower), list(pixels), list(ids))  # stacked per chunk: a copy per item
+    assert seen[1][1]["extra_bytes_per_item"] == SEQ_LEN * (pixels.shape[-1] * 4 + 2 * 8)
 
 
 def model_with(tower):
