@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import importlib
 import logging
+import operator
 import os
 import types
 import weakref
@@ -479,13 +480,19 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
             raise TypeError("pixel_values, pixel_position_ids: expected two tensors or two lists of per-item tensors")
         if len(pixel_values) != len(pixel_position_ids):
             raise ValueError(f"{len(pixel_values)} pixel tensors but {len(pixel_position_ids)} position-id tensors")
+        for i, (p, q) in enumerate(zip(pixel_values, pixel_position_ids)):
+            if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
+                raise TypeError(
+                    f"pixel_values, pixel_position_ids: item {i} is {type(p).__name__} and {type(q).__name__}, "
+                    "expected tensors"
+                )
         pixels = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in pixel_values]
         ids = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in pixel_position_ids]
         stacked = False
     for i, (p, q) in enumerate(zip(pixels, ids)):
-        if p.dim() != 2 or q.dim() != 2 or q.shape[-1] != 2 or p.shape[0] != q.shape[0]:
+        if p.dim() != 2 or q.dim() != 2 or q.shape[-1] != 2 or p.shape[0] != q.shape[0] or p.shape[0] == 0:
             raise ValueError(
-                f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N, got "
+                f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N >= 1, got "
                 f"{tuple(p.shape)} and {tuple(q.shape)}"
             )
     return pixels, ids, stacked
@@ -578,9 +585,21 @@ def encode_images(
         return _encode_images(_resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch)
 
 
+def _max_batch(value) -> int | None:
+    """``max_batch`` as an int (numpy integers too), or None."""
+    if value is None:
+        return None
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"max_batch: expected a positive int or None, got {value!r}")
+    return count
+
+
 def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[torch.Tensor]:
-    if max_batch is not None and (isinstance(max_batch, bool) or not isinstance(max_batch, int) or max_batch < 1):
-        raise ValueError(f"max_batch: expected a positive int or None, got {max_batch!r}")
+    max_batch = _max_batch(max_batch)
     pixels, ids, stacked = _items(pixel_values, pixel_position_ids)
     table = tower.patch_embedder.position_embedding_table
     device, dtype = table.device, table.dtype

@@ -648,8 +648,14 @@ def model_with(tower):
 def test_encode_images_errors(planner_calls):
     tower = make_tower()
     pixels, ids = make_inputs(GRIDS, SEQ_LEN)
-    with pytest.raises(ValueError, match="max_batch"):
-        encode_images(tower, pixels, ids, max_batch=0)
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="max_batch"):
+            encode_images(tower, pixels, ids, max_batch=bad)
+    assert len(encode_images(tower, pixels, ids, max_batch=np.int64(2))) == len(GRIDS)
+    with pytest.raises(TypeError, match="item 1 is ndarray and Tensor"):
+        encode_images(tower, [pixels[0], pixels[1].cpu().numpy(), pixels[2]], list(ids))
+    with pytest.raises(ValueError, match="item 2: .* N >= 1"):
+        encode_images(tower, [*pixels[:2], pixels[2, :0]], [*ids[:2], ids[2, :0]])
     with pytest.raises(ValueError, match="pixel tensors"):
         encode_images(tower, list(pixels), list(ids)[:2])
     with pytest.raises(ValueError, match="item 1"):
