@@ -178,7 +178,7 @@ def main():
         try:
             check(device, results, **(SMOKE_SIZES if args.smoke else SIZES))
             if device.type == "cuda":  # inside: a sticky CUDA error surfaces here, as this check's failure
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
                 torch.cuda.empty_cache()
         except Exception as exc:  # a compile or out-of-memory error fails this check, not the ones after it
             traceback.print_exc()

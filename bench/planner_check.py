@@ -129,17 +129,18 @@ class LiveTensorBytes(TorchDispatchMode):
 
 def measure_peak(model, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> int:
     """Bytes one forward adds at its peak over what was allocated before it (weights, inputs)."""
-    if pixel_values.device.type == "cuda":
+    device = pixel_values.device
+    if device.type == "cuda":
         with torch.inference_mode():
             # Warm up: the cuBLAS workspace is allocated once per process, not per forward.
             model(pixel_values=pixel_values, pixel_position_ids=position_ids)
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)  # the model's GPU, which need not be the current one
+        before = torch.cuda.memory_allocated(device)
         with torch.inference_mode():
             output = model(pixel_values=pixel_values, pixel_position_ids=position_ids)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() - before
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) - before
         del output
         return peak
     existing = [*model.parameters(), *model.buffers(), pixel_values, position_ids]
