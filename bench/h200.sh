@@ -75,11 +75,11 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
   archive
 }
 
-# The device reaches no registry, so the install builds with the setuptools it has, and --no-index keeps
-# pip from trying one (its version check included). Where it cannot (an
-# old setuptools), the steps run in a copy of the tree laid out as installed (fused_vision.kernels from
-# kernels/), rather than lose the lease to a packaging error or to pip waiting on a registry; only the
-# version then reads 0+unknown. The copy is also the working directory, which `python -m` puts first.
+# The device reaches no registry: --no-index keeps pip from trying one (its version check included), and
+# the install builds with the setuptools it has. Where it cannot (an old setuptools), the steps run in a
+# copy of the tree laid out as installed (fused_vision.kernels from kernels/), rather than lose the lease
+# to a packaging error; only the version then reads 0+unknown. The copy is also the working directory,
+# which `python -m` puts first.
 if ! "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
   staged="$(mktemp -d)"
   cp -r pyproject.toml fused_vision bench tests "$staged/" && cp -r kernels "$staged/fused_vision/kernels" || exit 1

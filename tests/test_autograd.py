@@ -322,6 +322,7 @@ def test_meta_tensors_get_the_shapes_and_dtypes_of_real_ones(op):
             4,
         ),
     }[op]
+
     def run(device):
         out = getattr(fused_vision, op)(*(a.to(device) if isinstance(a, torch.Tensor) else a for a in args))
         return out if isinstance(out, tuple) else (out,)

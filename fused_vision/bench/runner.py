@@ -3,7 +3,7 @@
 Order: the two ceilings; every stem op's providers but ``compiled``; the towers; the low-memory
 scenario; the ``compiled`` providers last. Compile times are the one part of the run nobody can
 predict, so a run past its time budget loses compiled rows first, never the towers or the scenario;
-among them the embedder's go first, at issue #5's case and width first: the comparison it sets a goal on.
+among them the embedder's at issue #5's case and width go first: the comparison it sets a goal on.
 """
 
 import platform
