@@ -171,10 +171,10 @@ class Row:
 def check(config: Gemma4VisionConfig, cases, device: torch.device, dtype: torch.dtype) -> Iterator[Row]:
     """One row per case and chunk, as each forward is measured."""
     model = build_model(config, device, dtype)
-    path = planner_path(model)
     for kind, soft_tokens, chunks in cases:
         for items in chunks:
             pixel_values, position_ids = make_inputs(config, items, soft_tokens, device)
+            path = planner_path(model, [(pixel_values, position_ids)])
             patches = pixel_values.shape[1]
             per_item = transient_bytes_per_item(patches, config, path=path, dtype=dtype)
             measured = measure_peak(model, pixel_values, position_ids)

@@ -26,7 +26,7 @@ import operator
 import os
 import types
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
@@ -155,23 +155,26 @@ def _autocast_enabled(device_type: str) -> bool:
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
-def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=None, *args, **kwargs):
-    """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
-    fused = getattr(self, _STATE, None)
-    table = self.position_embedding_table
-    if (
-        fused is None
-        or args  # arguments of a newer stock signature: let stock handle them
-        or kwargs
-        or table.dtype not in FLOAT_DTYPES
+def _embedder_runs_stock(embedder: nn.Module, pixel_values, pixel_position_ids) -> bool:
+    """Whether the embedder hands these inputs to its stock forward: it is not patched, or a dtype is
+    one the fused ops do not take (float64 pixels or table, say)."""
+    return (
+        getattr(embedder, _STATE, None) is None
+        or embedder.position_embedding_table.dtype not in FLOAT_DTYPES
         or not isinstance(pixel_values, torch.Tensor)
         or pixel_values.dtype not in FLOAT_DTYPES
         or not isinstance(pixel_position_ids, torch.Tensor)
         or pixel_position_ids.dtype not in INDEX_DTYPES
-    ):
+    )
+
+
+def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=None, *args, **kwargs):
+    """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
+    # args, kwargs: arguments of a newer stock signature; let stock handle them
+    if args or kwargs or _embedder_runs_stock(self, pixel_values, pixel_position_ids):
         return _stock_forward(self)(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
 
-    weight = self.input_proj.weight
+    fused, table, weight = getattr(self, _STATE), self.position_embedding_table, self.input_proj.weight
     if (
         fused.op == "patch_embed"
         and _plain_linear(self.input_proj)
@@ -498,17 +501,21 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
     return pixels, ids, stacked
 
 
-def _planner_path(tower: nn.Module) -> str:
-    """The planner's path for ``tower``: "onehot" prices the int64 one-hot of an unpatched 5.5-5.9
-    embedder, "fused" anything without it."""
-    onehot = getattr(tower.patch_embedder, _STATE, None) is None and _onehot_lookup()
-    return "onehot" if onehot else "fused"
+def _planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """The planner's path for ``tower`` on ``items``, (pixels, position ids) pairs: "onehot" where a 5.5-5.9
+    embedder runs its stock one-hot lookup on any of them (unpatched, or given a dtype the fused ops do
+    not take: one float64 item makes a stacked chunk float64), "fused" otherwise."""
+    if not _onehot_lookup():
+        return "fused"
+    embedder = tower.patch_embedder
+    return "onehot" if any(_embedder_runs_stock(embedder, p, i) for p, i in items) else "fused"
 
 
 def _plan_chunk(
     num_items: int,
     patches_per_item: int,
     tower: nn.Module,
+    path: str,
     device: torch.device,
     dtype: torch.dtype,
     input_bytes_per_item: int,
@@ -517,13 +524,17 @@ def _plan_chunk(
     from . import planner
 
     options = {}
-    if getattr(tower.config, "_attn_implementation", None) not in (None, *planner.ATTENTION_IMPLEMENTATIONS):
-        options["attn_implementation"] = "sdpa"  # flash-style kernels: no (N, N) scores, priced as sdpa
+    attention = getattr(tower.config, "_attn_implementation", None)
+    if isinstance(attention, str):
+        # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
+        # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
+        attention = attention.removeprefix("paged|")
+        options["attn_implementation"] = attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"
     return planner.plan(
         num_items,
         patches_per_item,
         tower.config,
-        path=_planner_path(tower),
+        path=path,
         device=device,
         dtype=dtype,
         extra_bytes_per_item=input_bytes_per_item,
@@ -614,7 +625,8 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
     for patches, indices in buckets.items():
         first = indices[0]
         input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
-        chunk = int(_plan_chunk(len(indices), patches, tower, device, dtype, input_bytes))
+        path = _planner_path(tower, [(pixels[i], ids[i]) for i in indices])
+        chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
         if max_batch is not None:
             chunk = min(chunk, max_batch)
         chunk = max(1, min(chunk, len(indices)))

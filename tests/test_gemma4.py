@@ -538,7 +538,7 @@ def planner_calls(monkeypatch):
     """Stand-in for fused_vision.planner.plan: 3 items per call, recording what it was asked."""
     calls = []
 
-    def plan(num_items, patches_per_item, tower, device, dtype, input_bytes_per_item):
+    def plan(num_items, patches_per_item, tower, path, device, dtype, input_bytes_per_item):
         calls.append((num_items, patches_per_item, dtype))
         return 3
 
@@ -630,12 +630,77 @@ def test_encode_images_uses_the_planner(monkeypatch, fused):
     assert len(seen) == 1 and seen[0][0][:2] == (3, SEQ_LEN) and seen[0][0][2] is tower.config
     device = tower.patch_embedder.position_embedding_table.device
     # slices of one stacked tensor on the tower's device: no input copy to price
-    assert seen[0][1] == dict(path=path, device=device, dtype=torch.float32, extra_bytes_per_item=0)
+    assert seen[0][1] == dict(
+        path=path, device=device, dtype=torch.float32, extra_bytes_per_item=0, attn_implementation="sdpa"
+    )
     for g, e in zip(got, per_item_stock(tower, pixels, ids), strict=True):
         assert_close(g, e, **FP32_CLOSE, what="soft tokens")
     with torch.no_grad():
         encode_images(model_with(tower), list(pixels), list(ids))  # stacked per chunk: a copy per item
     assert seen[1][1]["extra_bytes_per_item"] == SEQ_LEN * (pixels.shape[-1] * 4 + 2 * 8)
+
+
+class PlanRecorded(Exception):
+    """Raised by a recording stand-in for planner.plan: the test needs the call, not the encoding."""
+
+
+@pytest.fixture
+def planner_kwargs(monkeypatch):
+    """The keyword arguments of each planner.plan call; the call then raises PlanRecorded."""
+    planner = pytest.importorskip("fused_vision.planner", reason="fused_vision.planner has not landed yet")
+    calls = []
+
+    def plan(*args, **kwargs):
+        calls.append(kwargs)
+        raise PlanRecorded
+
+    monkeypatch.setattr(planner, "plan", plan)
+    return calls
+
+
+@pytest.mark.parametrize(
+    "attention, priced_as",
+    [
+        ("sdpa", "sdpa"),
+        ("eager", "eager"),
+        ("paged|eager", "eager"),  # eager's (N, N) scores over a paged cache
+        ("paged|sdpa", "sdpa"),
+        ("flash_attention_2", "sdpa"),  # no (N, N) scores
+        ("flex_attention", "sdpa"),
+    ],
+)
+def test_encode_images_prices_the_attention_the_tower_runs(planner_kwargs, attention, priced_as):
+    tower = make_tower()
+    tower.config._attn_implementation = attention
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    with pytest.raises(PlanRecorded):
+        encode_images(tower, pixels, ids)
+    assert planner_kwargs[0]["attn_implementation"] == priced_as
+
+
+@pytest.mark.parametrize(
+    "tower_dtype, pixel_dtypes",
+    [
+        (torch.float32, [torch.float32] * 3),
+        (torch.float32, [torch.float64] * 3),
+        (torch.float32, [torch.float32, torch.float64, torch.float32]),  # stacked, the chunk is float64
+        (torch.float64, [torch.float64] * 3),
+    ],
+    ids=["float32", "float64_pixels", "one_float64_item", "float64_tower"],
+)
+def test_encode_images_prices_the_onehot_where_the_patched_embedder_runs_stock(
+    planner_kwargs, tower_dtype, pixel_dtypes
+):
+    """The fused ops do not take float64: the patched embedder runs stock code, whose 5.5-5.9 lookup is
+    the one-hot the planner must price."""
+    tower = make_tower(tower_dtype)
+    apply_fused_vision_to_gemma4(tower)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    items = [p.to(dtype) for p, dtype in zip(pixels, pixel_dtypes, strict=True)]
+    with pytest.raises(PlanRecorded):
+        encode_images(tower, items, list(ids))
+    float64 = tower_dtype == torch.float64 or torch.float64 in pixel_dtypes
+    assert planner_kwargs[0]["path"] == ("onehot" if VERSION < (5, 10) and float64 else "fused")
 
 
 def model_with(tower):

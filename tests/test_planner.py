@@ -288,7 +288,7 @@ def test_model_bounds_live_tensors_of_a_cpu_forward(planner_check, name):
     model = planner_check.build_model(config, "cpu", dtype)
     pixel_values, position_ids = planner_check.make_inputs(config, 2, soft_tokens, "cpu")
     measured = planner_check.measure_peak(model, pixel_values, position_ids)
-    path = planner_check.planner_path(model)
+    path = planner_check.planner_path(model, [(pixel_values, position_ids)])
     predicted = 2 * transient_bytes_per_item(pixel_values.shape[1], config, path=path, dtype=dtype)
     assert measured <= predicted, f"{name}: model {predicted} B below the measured peak {measured} B"
     if tolerance is not None and path == "fused":  # vLLM's one-hot price is meant to over-count
@@ -307,7 +307,7 @@ def test_model_bounds_a_cpu_forward_at_real_dimensions(planner_check, two_layer_
     config, model = two_layer_26b_31b_tower
     pixel_values, position_ids = planner_check.make_inputs(config, items, soft_tokens, "cpu")
     measured = planner_check.measure_peak(model, pixel_values, position_ids)
-    path, patches = planner_check.planner_path(model), pixel_values.shape[1]
+    path, patches = planner_check.planner_path(model, [(pixel_values, position_ids)]), pixel_values.shape[1]
     predicted = items * transient_bytes_per_item(patches, config, path=path)
     row = planner_check.Row("item", path, patches, items, measured, predicted)
     assert row.ok, row
