@@ -7,19 +7,23 @@
 - patch_embed's relative error against float64, next to stock's, in bf16, fp16, fp32;
 - the pooler against the one-hot pooler at image 32 x 280, and its run-to-run bit-identity;
 - the pooler's hidden-state gradient against autograd through the one-hot pooler, bit for bit;
-- the table gradient against the deterministic reference.
+- the table gradient against the deterministic reference;
+- patch_embed and the lookup with syncs forbidden (torch's sync debug mode at "error", as vLLM's
+  VLLM_GPU_SYNC_CHECK=error has it in the patch embedder): no sync, and a bad id's row NaN, not an error.
 Exits non-zero when any check fails (an exception fails its own check only); writes gpu_checks.json
 under --out. `--smoke` runs the same code at tiny sizes on any device (TRITON_INTERPRET=1 on a CPU), to
 test the script itself.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
 import traceback
 from functools import partial
+from unittest import mock
 
 import torch
 
@@ -149,6 +153,48 @@ def check_table_grad(device, results, batch, soft_tokens, hidden, **_):
     results.append(dict(check="table_grad_vs_reference_bf16", max_rel_diff=error, ok=error < 2**-7))
 
 
+@contextlib.contextmanager
+def syncs_forbidden(device):
+    """A device-to-host sync raises, as under vLLM's VLLM_GPU_SYNC_CHECK=error (torch's sync debug mode).
+    Off a GPU (--smoke) there is no such mode: the id checks are switched off instead, to test the rest."""
+    if device.type != "cuda":
+        with mock.patch.dict(os.environ, {"FUSED_VISION_CHECK_IDS": "0"}):
+            yield
+        return
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
+def check_no_sync_where_syncs_are_forbidden(device, results, batch, soft_tokens, hidden, features, **_):
+    ids = image_ids(batch, soft_tokens).to(device)
+    bad_ids = ids.clone()
+    bad_ids[0, 0] = P  # a real patch (the grid comes first), out of range on both axes
+    pixels = torch.rand(*ids.shape[:2], features, device=device)
+    weight = (torch.randn(hidden, features, device=device) / features**0.5).bfloat16()
+    table = torch.randn(2, P, hidden, device=device, dtype=torch.bfloat16)
+    residual = torch.randn(*ids.shape[:2], hidden, device=device, dtype=torch.bfloat16)
+    ops = dict(  # backend "auto", as the patched Gemma 4 embedder calls them
+        patch_embed=lambda position_ids: fused_vision.patch_embed(pixels, weight, table, position_ids),
+        lookup=lambda position_ids: fused_vision.position_embeddings(table, position_ids, residual=residual),
+    )
+    for name, op in ops.items():
+        expected = op(ids)  # and the warm-up: autotuning syncs, once per shape, as in vLLM's profile run
+        with syncs_forbidden(device):
+            good, unchecked = op(ids), op(bad_ids)
+        others = torch.ones(ids.shape[:2], dtype=torch.bool, device=device)
+        others[0, 0] = False
+        ok = (
+            bits_equal(good, expected)
+            and bool(unchecked[0, 0].isnan().all())
+            and bits_equal(unchecked[others], expected[others])
+        )
+        results.append(dict(check=f"{name}_no_sync_where_syncs_are_forbidden_bf16", ok=ok))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_checks.json")
@@ -166,6 +212,7 @@ def main():
         check_pooler,
         check_pooler_backward,
         check_table_grad,
+        check_no_sync_where_syncs_are_forbidden,
     )
     os.makedirs(args.out, exist_ok=True)
     environment = dict(

@@ -44,13 +44,17 @@ ENV_CHECK_IDS = "FUSED_VISION_CHECK_IDS"
 def id_checks_enabled(position_ids: torch.Tensor) -> bool:
     """Whether to run the checks that read the ids and so synchronise the device.
 
-    Not while a CUDA graph is being captured (a sync would break the capture), nor when
+    Not where a sync is unwanted: while a CUDA graph is being captured (a sync would break the capture),
+    while ``torch.cuda.set_sync_debug_mode`` is armed (vLLM's VLLM_GPU_SYNC_CHECK arms it and fails on
+    a sync outside the regions it allows, which leave out the patch embedder), or when
     FUSED_VISION_CHECK_IDS=0. The Triton kernels then write NaN where bad ids would have led them
     astray (a row's lookup, an item's pooled slots) instead of reading out of bounds or dropping patches.
     """
     if os.environ.get(ENV_CHECK_IDS) == "0":
         return False
-    return not (position_ids.is_cuda and torch.cuda.is_current_stream_capturing())
+    if not position_ids.is_cuda:
+        return True
+    return not (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode())
 
 
 def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:

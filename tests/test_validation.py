@@ -1,9 +1,12 @@
 """Bad input raises a clear error naming the argument, on every backend."""
 
+import types
+
 import pytest
 import torch
 
 import fused_vision
+from fused_vision._validation import id_checks_enabled
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_table_grad
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
@@ -86,6 +89,21 @@ def test_tensors_on_different_devices():
 def test_unknown_backend():
     with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'triton', 'reference'\), got 'cuda'"):
         fused_vision.position_embeddings(*good(), backend="cuda")
+
+
+@pytest.mark.parametrize(
+    "capturing, sync_debug_mode, checked",
+    [(False, 0, True), (True, 0, False), (False, 1, False), (False, 2, False)],
+    ids=["plain", "graph_capture", "sync_debug_warn", "sync_debug_error"],
+)
+def test_id_checks_skip_where_a_cuda_sync_is_unwanted(monkeypatch, capturing, sync_debug_mode, checked):
+    """The id checks synchronise the device: not while a CUDA graph is captured, nor while torch's sync
+    debug mode is armed (as vLLM's VLLM_GPU_SYNC_CHECK arms it); the kernels' NaN rows stand in there.
+    bench/gpu_checks.py runs the ops under the real mode on a GPU."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: sync_debug_mode)
+    assert id_checks_enabled(types.SimpleNamespace(is_cuda=True)) is checked  # the decision reads the device only
+    assert id_checks_enabled(torch.zeros(1, 1, 2, dtype=torch.int64))  # host ids: no device to stall
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
