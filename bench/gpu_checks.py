@@ -9,7 +9,9 @@
 - the pooler's hidden-state gradient against autograd through the one-hot pooler, bit for bit;
 - the table gradient against the deterministic reference;
 - patch_embed and the lookup with syncs forbidden (torch's sync debug mode at "error", as vLLM's
-  VLLM_GPU_SYNC_CHECK=error has it in the patch embedder): no sync, and a bad id's row NaN, not an error.
+  VLLM_GPU_SYNC_CHECK=error has it in the patch embedder): no sync, and a bad id's row NaN, not an error;
+- patch_embed, the lookup and the pooler captured in one CUDA graph (vLLM 0.33 captures Gemma 4's
+  tower) and replayed on new inputs: bit-identical to eager calls on those inputs.
 Exits non-zero when any check fails (an exception fails its own check only); writes gpu_checks.json
 under --out. `--smoke` runs the same code at tiny sizes on any device (TRITON_INTERPRET=1 on a CPU), to
 test the script itself.
@@ -195,6 +197,48 @@ def check_no_sync_where_syncs_are_forbidden(device, results, batch, soft_tokens,
         results.append(dict(check=f"{name}_no_sync_where_syncs_are_forbidden_bf16", ok=ok))
 
 
+def check_cuda_graph_replay(device, results, batch, soft_tokens, hidden, features, **_):
+    weight = (torch.randn(hidden, features, device=device) / features**0.5).bfloat16()
+    table = torch.randn(2, P, hidden, device=device, dtype=torch.bfloat16)
+
+    def stem(pixels, ids, residual, hidden_states):  # backend "auto", as the patched Gemma 4 modules call them
+        padding = reference.default_padding_positions(ids)
+        embedded = fused_vision.patch_embed(pixels, weight, table, ids, padding)
+        looked_up = fused_vision.position_embeddings(table, ids, padding, residual=residual)
+        pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, soft_tokens)
+        return embedded, looked_up, pooled, mask
+
+    def inputs(seed):
+        generator = torch.Generator().manual_seed(seed)  # new grids, so new padding, on each seed
+        ids = image_ids(batch, soft_tokens, generator=generator).to(device)
+        return dict(
+            pixels=torch.rand(*ids.shape[:2], features, generator=generator).to(device),
+            ids=ids,
+            residual=torch.randn(*ids.shape[:2], hidden, generator=generator).to(device, torch.bfloat16),
+            hidden_states=torch.randn(*ids.shape[:2], hidden, generator=generator).to(device, torch.bfloat16),
+        )
+
+    static, new = inputs(1), inputs(2)
+    stem(**static)  # the warm-up: autotuning and compilation cannot be captured
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):  # a sync in any op fails the capture
+            captured = stem(**static)
+    for name, value in new.items():
+        static[name].copy_(value)
+    if device.type == "cuda":
+        graph.replay()
+    else:  # no graphs off a GPU (--smoke): an eager call on the buffers, to test the rest
+        captured = stem(**static)
+    expected = stem(**new)
+    ok = all(
+        torch.equal(got, want) if got.dtype == torch.bool else bits_equal(got, want)
+        for got, want in zip(captured, expected, strict=True)
+    )
+    results.append(dict(check=f"cuda_graph_replay_on_new_inputs_B{batch}_N{new['ids'].shape[1]}_D{hidden}_bf16", ok=ok))
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=os.environ.get("OUT", "."), help="folder for gpu_checks.json")
@@ -213,6 +257,7 @@ def main():
         check_pooler_backward,
         check_table_grad,
         check_no_sync_where_syncs_are_forbidden,
+        check_cuda_graph_replay,
     )
     os.makedirs(args.out, exist_ok=True)
     environment = dict(
