@@ -24,6 +24,7 @@ transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 
 import fused_vision.gemma4 as fg  # noqa: E402
+import fused_vision.planner as planner  # noqa: E402
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4  # noqa: E402
 
 ONEHOT_ENV = "FUSED_VISION_TRANSFORMERS_ONEHOT"
@@ -610,7 +611,6 @@ def test_encode_images_list_of_mixed_sizes(planner_calls):
 
 @pytest.mark.parametrize("fused", [False, True], ids=["stock_tower", "fused_tower"])
 def test_encode_images_uses_the_planner(monkeypatch, fused):
-    planner = pytest.importorskip("fused_vision.planner", reason="fused_vision.planner has not landed yet")
     tower = make_tower()
     if fused:
         apply_fused_vision_to_gemma4(tower)
@@ -647,7 +647,6 @@ class PlanRecorded(Exception):
 @pytest.fixture
 def planner_kwargs(monkeypatch):
     """The keyword arguments of each planner.plan call; the call then raises PlanRecorded."""
-    planner = pytest.importorskip("fused_vision.planner", reason="fused_vision.planner has not landed yet")
     calls = []
 
     def plan(*args, **kwargs):
