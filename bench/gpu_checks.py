@@ -175,6 +175,8 @@ def check_no_sync_where_syncs_are_forbidden(device, results, batch, soft_tokens,
     ids = image_ids(batch, soft_tokens).to(device)
     bad_ids = ids.clone()
     bad_ids[0, 0] = P  # a real patch (the grid comes first), out of range on both axes
+    others = torch.ones(ids.shape[:2], dtype=torch.bool, device=device)
+    others[0, 0] = False
     pixels = torch.rand(*ids.shape[:2], features, device=device)
     weight = (torch.randn(hidden, features, device=device) / features**0.5).bfloat16()
     table = torch.randn(2, P, hidden, device=device, dtype=torch.bfloat16)
@@ -187,8 +189,6 @@ def check_no_sync_where_syncs_are_forbidden(device, results, batch, soft_tokens,
         expected = op(ids)  # and the warm-up: autotuning syncs, once per shape, as in vLLM's profile run
         with syncs_forbidden(device):
             good, unchecked = op(ids), op(bad_ids)
-        others = torch.ones(ids.shape[:2], dtype=torch.bool, device=device)
-        others[0, 0] = False
         ok = (
             bits_equal(good, expected)
             and bool(unchecked[0, 0].isnan().all())
