@@ -122,11 +122,16 @@ def _pooler_returns_float32() -> bool:
     return pooled.dtype == torch.float32
 
 
+def _lookup_is_onehot(embedder_cls: type) -> bool:
+    """Whether the class's stock lookup is the one-hot matmul of 5.5-5.9 (else the F.embedding of 5.10+)."""
+    lookup = _stock_attr(embedder_cls, "_position_embeddings")
+    return lookup is not _MISSING and "one_hot" in lookup.__code__.co_names
+
+
 @functools.cache
 def _onehot_lookup() -> bool:
-    """Whether the stock lookup is the one-hot matmul of 5.5-5.9 (else the F.embedding of 5.10+)."""
-    lookup = _stock("embedder", "_position_embeddings")
-    return lookup is not _MISSING and "one_hot" in lookup.__code__.co_names
+    """Whether transformers' stock lookup is the one-hot matmul of 5.5-5.9."""
+    return _lookup_is_onehot(_modeling().Gemma4VisionPatchEmbedder)
 
 
 # ---- the patched methods ---------------------------------------------------------------------------
@@ -203,27 +208,30 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
     return hidden_states + _fused_position_embeddings(table, pixel_position_ids, padding_positions, backend=backend)
 
 
+def _pooler_runs_fused(pooler: nn.Module, hidden_states, pixel_position_ids, padding_positions, output_length) -> bool:
+    """Whether the pooler is patched and ``pool_by_positions`` takes these inputs as stock reads them; else
+    stock runs, and raises its own errors."""
+    return (
+        getattr(pooler, _STATE, None) is not None
+        and not isinstance(output_length, bool)
+        and isinstance(output_length, int)
+        and isinstance(hidden_states, torch.Tensor)
+        and hidden_states.dim() == 3
+        and hidden_states.dtype in FLOAT_DTYPES
+        and hidden_states.shape[-1] == pooler.hidden_size
+        and 1 <= output_length <= hidden_states.shape[1]
+        and isinstance(pixel_position_ids, torch.Tensor)
+        and pixel_position_ids.dtype in INDEX_DTYPES
+        and isinstance(padding_positions, torch.Tensor)
+        and padding_positions.dtype == torch.bool
+        and not _autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
+    )
+
+
 def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, output_length=None, *args, **kwargs):
     """``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``, in the release's dtype."""
     fused = getattr(self, _STATE, None)
-    if (
-        fused is None
-        or args
-        or kwargs
-        or isinstance(output_length, bool)
-        or not isinstance(output_length, int)
-        or not isinstance(hidden_states, torch.Tensor)
-        or hidden_states.dim() != 3
-        or hidden_states.dtype not in FLOAT_DTYPES
-        or hidden_states.shape[-1] != self.hidden_size
-        or output_length < 1
-        or output_length > hidden_states.shape[1]  # stock raises its own error
-        or not isinstance(pixel_position_ids, torch.Tensor)
-        or pixel_position_ids.dtype not in INDEX_DTYPES
-        or not isinstance(padding_positions, torch.Tensor)
-        or padding_positions.dtype != torch.bool
-        or _autocast_enabled(hidden_states.device.type)  # stock's matmul would run in low precision
-    ):
+    if args or kwargs or not _pooler_runs_fused(self, hidden_states, pixel_position_ids, padding_positions, output_length):
         stock = _stock_forward(self)
         return stock(hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)
     pooled, mask = _fused_pool_by_positions(
@@ -238,15 +246,8 @@ def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, 
     return pooled, mask
 
 
-def _gemma_class(module: nn.Module) -> type:
-    modeling = _modeling()
-    if isinstance(module, modeling.Gemma4VisionPatchEmbedder):
-        return modeling.Gemma4VisionPatchEmbedder
-    return modeling.Gemma4VisionPooler
-
-
 def _extra_repr(self) -> str:
-    cls = _gemma_class(self)
+    cls = next(base for base in type(self).__mro__ if base in _CLASS_ORIGINALS)  # the class we patched
     stock = _stock_attr(cls, "extra_repr")
     text = stock(self) if stock is not _MISSING else super(cls, self).extra_repr()
     fused = getattr(self, _STATE, None)
@@ -298,12 +299,12 @@ def _forward_slot(module: nn.Module) -> str:
     return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
 
 
-def _patch_instance(module: nn.Module, forward, fused: _Fused) -> None:
+def _patch_instance(module: nn.Module, cls: type, forward, fused: _Fused) -> None:
     """The module's own state, read by its class's forward (installed here if the class is stock): the
     instance holds no bound method of ours, so it pickles, deep-copies and replicates (DataParallel) as
     any module. Only where accelerate's hook already holds the stock forward in ``_old_forward`` does
     the module get a bound forward of ours there."""
-    _install_forward(_gemma_class(module), forward)
+    _install_forward(cls, forward)
     attrs = module.__dict__
     if _SAVED not in attrs:
         names = (_STATE, "_old_forward") if _forward_slot(module) == "_old_forward" else (_STATE,)
@@ -338,11 +339,42 @@ def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
     return was_fused
 
 
-def _targets(modeling, embedder_op: str | None, pooler_op: str | None):
-    return [
-        (modeling.Gemma4VisionPatchEmbedder, embedder_op, _embedder_forward),
-        (modeling.Gemma4VisionPooler, pooler_op, _pooler_forward),
+def _selected_ops(caller: str, *, patch_embedder: bool, position_embeddings: bool, pooler: bool, backend: str):
+    """The (embedder op, pooler op) that an ``apply_…`` call's keywords select; None: leave it stock."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    embedder_op = "patch_embed" if patch_embedder else "position_embeddings" if position_embeddings else None
+    pooler_op = "pool_by_positions" if pooler else None
+    if embedder_op is None and pooler_op is None:
+        raise ValueError(f"{caller}: nothing selected (patch_embedder, position_embeddings and pooler are all False)")
+    return embedder_op, pooler_op
+
+
+def _apply(caller: str, targets, model: nn.Module | None, backend: str, release: dict, hint: str) -> int:
+    """Patch each (class, op, forward) of ``targets`` whose op is not None: the classes, or with ``model``
+    the instances of them inside it. Returns the number of classes or modules set to a fused op."""
+    targets = [(cls, op, forward) for cls, op, forward in targets if op is not None]
+    if model is None:
+        for cls, op, forward in targets:
+            _patch_class(cls, forward, _Fused(op, backend, **release))
+        logger.info("fused_vision: patched %s", ", ".join(f"{cls.__name__} -> {op}" for cls, op, _ in targets))
+        return len(targets)
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+    matches = [
+        (module, cls, op, forward)
+        for module in model.modules()
+        for cls, op, forward in targets
+        if isinstance(module, cls)
     ]
+    if not matches:
+        wanted = " or ".join(cls.__name__ for cls, _, _ in targets)
+        raise ValueError(f"{caller}: {type(model).__name__} contains no {wanted}, so there is nothing to fuse. {hint}")
+    for module, cls, op, forward in matches:
+        _patch_instance(module, cls, forward, _Fused(op, backend, **release))
+    logger.info("fused_vision: patched %d module(s) of %s", len(matches), type(model).__name__)
+    return len(matches)
 
 
 def apply_fused_vision_to_gemma4(
@@ -361,6 +393,7 @@ def apply_fused_vision_to_gemma4(
             built later by ``from_pretrained`` or by vLLM's ``AutoModel.from_config``. Or a module
             (``Gemma4ForConditionalGeneration``, ``Gemma4Model``, ``Gemma4VisionModel``, or anything
             containing those two classes) whose instances to patch, whether the class is patched or not.
+            SGLang builds a tower of its own: ``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``.
         patch_embedder: the whole patch embedder as ``fused_vision.patch_embed`` (prescale, projection,
             lookup and add in one kernel). Where that cannot run (a quantized or hooked ``input_proj``,
             autocast) the module falls back to the lookup alone.
@@ -380,48 +413,30 @@ def apply_fused_vision_to_gemma4(
             ``gemma4_unified`` checkpoints, which have no vision tower).
         ImportError: transformers or its Gemma 4 is missing.
     """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    embedder_op = "patch_embed" if patch_embedder else "position_embeddings" if position_embeddings else None
-    pooler_op = "pool_by_positions" if pooler else None
-    if embedder_op is None and pooler_op is None:
-        raise ValueError(
-            "apply_fused_vision_to_gemma4: nothing selected "
-            "(patch_embedder, position_embeddings and pooler are all False)"
-        )
+    caller = "apply_fused_vision_to_gemma4"
+    embedder_op, pooler_op = _selected_ops(
+        caller, patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend
+    )
     modeling = _modeling()
-    targets = [(cls, op, forward) for cls, op, forward in _targets(modeling, embedder_op, pooler_op) if op is not None]
-    release = dict(onehot_lookup=_onehot_lookup(), pooler_float32=_pooler_returns_float32())
-
-    if model is None:
-        for cls, op, forward in targets:
-            _patch_class(cls, forward, _Fused(op, backend, **release))
-        logger.info("fused_vision: patched %s", ", ".join(f"{cls.__name__} -> {op}" for cls, op, _ in targets))
-        return len(targets)
-
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
-    matches = [
-        (module, op, forward) for module in model.modules() for cls, op, forward in targets if isinstance(module, cls)
+    targets = [
+        (modeling.Gemma4VisionPatchEmbedder, embedder_op, _embedder_forward),
+        (modeling.Gemma4VisionPooler, pooler_op, _pooler_forward),
     ]
-    if not matches:
-        wanted = " or ".join(cls.__name__ for cls, _, _ in targets)
-        raise ValueError(
-            f"apply_fused_vision_to_gemma4: {type(model).__name__} contains no {wanted}, so there is nothing to "
-            "fuse. Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified "
-            "checkpoints have no vision tower), or call it with model=None before the model is built."
-        )
-    for module, op, forward in matches:
-        _patch_instance(module, forward, _Fused(op, backend, **release))
-    logger.info("fused_vision: patched %d module(s) of %s", len(matches), type(model).__name__)
-    return len(matches)
+    release = dict(onehot_lookup=_onehot_lookup(), pooler_float32=_pooler_returns_float32())
+    hint = (
+        "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
+        "have no vision tower), or call it with model=None before the model is built."
+    )
+    if isinstance(model, nn.Module) and any(type(m).__module__.startswith("sglang.") for m in model.modules()):
+        hint = "This is an SGLang model, whose tower is SGLang's own: use fused_vision.sglang.apply_fused_vision_to_sglang_gemma4."
+    return _apply(caller, targets, model, backend, release, hint)
 
 
 def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
-    """Undo ``apply_fused_vision_to_gemma4``.
+    """Undo ``apply_fused_vision_to_gemma4`` (and ``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``).
 
-    With ``model=None``: restore transformers' classes and every instance patched (or pinned) with
-    ``model=``, so all of Gemma 4 runs stock code again; returns the number of classes and instance
+    With ``model=None``: restore every patched class (transformers', SGLang's) and every instance patched
+    (or pinned) with ``model=``, so all of Gemma 4 runs stock code again; returns the number of classes and instance
     patches undone. With a model: its modules run stock code, even while the classes stay patched;
     returns the number of its modules that were running a fused op.
     """
@@ -431,9 +446,8 @@ def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
         return classes + modules
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
-    modeling = _modeling()
-    kinds = (modeling.Gemma4VisionPatchEmbedder, modeling.Gemma4VisionPooler)
-    return sum(_revert_instance(module, pin=True) for module in model.modules() if isinstance(module, kinds))
+    patched = tuple(_CLASS_ORIGINALS)  # every class a patch of ours has touched, SGLang's included
+    return sum(_revert_instance(module, pin=True) for module in model.modules() if isinstance(module, patched))
 
 
 ENV_VLLM = "FUSED_VISION_VLLM"

@@ -407,8 +407,7 @@ def test_clear_import_error_without_gemma4(monkeypatch, caplog):
     monkeypatch.setitem(sys.modules, "transformers.models.gemma4.modeling_gemma4", None)
     with pytest.raises(ImportError, match="has no Gemma 4"):
         apply_fused_vision_to_gemma4()
-    with pytest.raises(ImportError, match="has no Gemma 4"):
-        revert_fused_vision_gemma4(nn.Linear(2, 2))
+    assert revert_fused_vision_gemma4(nn.Linear(2, 2)) == 0  # nothing can have been patched: nothing to undo
     # vLLM calls its plugins unguarded in every process: there it warns instead
     monkeypatch.setenv("FUSED_VISION_VLLM", "1")
     with caplog.at_level("WARNING", logger="fused_vision"):
