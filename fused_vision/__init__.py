@@ -6,6 +6,7 @@ from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from .patch_embed import patch_embed
 from .pooler import pool_by_positions
 from .position_embedding import position_embeddings
+from .sglang import apply_fused_vision_to_sglang_gemma4
 
 try:
     __version__ = _version("fused-vision")
@@ -14,6 +15,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 
 __all__ = [
     "apply_fused_vision_to_gemma4",
+    "apply_fused_vision_to_sglang_gemma4",
     "patch_embed",
     "pool_by_positions",
     "position_embeddings",

@@ -1,0 +1,136 @@
+"""fused_vision inside SGLang's Gemma 4 vision tower, which is SGLang's own code, not transformers'.
+
+    from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4
+
+    apply_fused_vision_to_sglang_gemma4()        # the classes, before SGLang builds the model
+    apply_fused_vision_to_sglang_gemma4(model)   # the instances inside a model that is already built
+
+SGLang (0.5.x, ``sglang.srt.models.gemma4_vision``) builds its own ``Gemma4VisionEncoder``: tensor-parallel
+attention around a patch embedder that is transformers 5.5-5.9's, int64 one-hot lookup included, and a
+pooler that is a one-hot matmul in the hidden dtype. It encodes all the images (or video frames) of a
+request in one call, unchunked, so the one-hot's 160 KiB per patch is the encoder's largest transient.
+The patched embedder is stock's with the lookup bit-identical; the patched pooler differs from stock in
+rounding only (``_pooler_forward``).
+
+SGLang builds its models in scheduler processes that a patch in the launching script does not reach:
+there, set FUSED_VISION_SGLANG=1 and SGLang's plugin loader (entry point group ``sglang.srt.plugins``)
+runs ``sglang_plugin`` in each of them. ``fused_vision.revert_fused_vision_gemma4`` undoes either patch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+import torch
+from torch import nn
+
+from .gemma4 import (
+    _STATE,
+    _apply,
+    _embedder_forward,
+    _lookup_is_onehot,
+    _pooler_runs_fused,
+    _selected_ops,
+    _stock_forward,
+)
+from .pooler import pool_by_positions as _fused_pool_by_positions
+
+__all__ = ["apply_fused_vision_to_sglang_gemma4", "sglang_plugin"]
+
+logger = logging.getLogger("fused_vision")
+
+SGLANG_MODULE = "sglang.srt.models.gemma4_vision"
+ENV_SGLANG = "FUSED_VISION_SGLANG"
+
+
+def _sglang_vision():
+    """SGLang's Gemma 4 vision module, with a clear error when it is missing."""
+    try:
+        return importlib.import_module(SGLANG_MODULE)
+    except ImportError as exc:
+        raise ImportError(
+            f"fused_vision.sglang needs SGLang with Gemma 4 ({SGLANG_MODULE}, SGLang 0.5.x): {exc}"
+        ) from exc
+
+
+def _pooler_forward(self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs):
+    """SGLang's ``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``.
+
+    As stock: the result is in the hidden dtype, the mask marks the filled slots, and padding patches
+    (ids clamped to (0, 0)) pool into slot 0 unless the module masks them first (``mask_pad_before_pool``,
+    which SGLang's ``gemma4_mm`` leaves False). Unlike stock, each patch weighs exactly 1/k^2, as in
+    transformers' pooler: stock's matmul weighs it by 1/k^2 rounded to the hidden dtype (in bf16, 1/9
+    comes out 0.2 % too large), so in bf16 and fp16 the two differ by a rounding.
+    """
+    mask_first = getattr(self, "mask_pad_before_pool", None)
+    if (
+        args
+        or kwargs
+        or not isinstance(mask_first, bool)
+        or not _pooler_runs_fused(self, hidden_states, patch_positions, padding_positions, output_length)
+        or output_length == hidden_states.shape[1]  # stock skips the pooling: a scale, nothing to fuse
+    ):
+        return _stock_forward(self)(hidden_states, patch_positions, padding_positions, output_length, *args, **kwargs)
+    padding = padding_positions if mask_first else torch.zeros_like(padding_positions)
+    pooled, mask = _fused_pool_by_positions(
+        hidden_states, patch_positions, padding, output_length, backend=getattr(self, _STATE).backend
+    )
+    return pooled.to(hidden_states.dtype), mask
+
+
+def apply_fused_vision_to_sglang_gemma4(
+    model: nn.Module | None = None,
+    *,
+    position_embeddings: bool = True,
+    patch_embedder: bool = True,
+    pooler: bool = True,
+    backend: str = "auto",
+) -> int:
+    """Put fused_vision's ops into SGLang's Gemma 4 vision tower (``sglang.srt.models.gemma4_vision``).
+
+    The keywords, the return value and idempotence are ``fused_vision.apply_fused_vision_to_gemma4``'s.
+
+    Args:
+        model: None to patch SGLang's ``Gemma4VisionPatchEmbedder`` and ``Gemma4VisionPooler`` classes,
+            for every tower built from then on; or a module (SGLang's ``Gemma4ForConditionalGeneration``,
+            its ``Gemma4VisionEncoder``, ...) whose instances of them to patch.
+        patch_embedder: the whole embedder as ``fused_vision.patch_embed``.
+        position_embeddings: when ``patch_embedder`` is False, only the lookup: then the embedder's
+            output is bit-identical to stock's.
+        pooler: the pooler as ``fused_vision.pool_by_positions``, which rounds as transformers' pooler
+            does, not as SGLang's (see ``_pooler_forward``); False keeps SGLang's numerics bit for bit.
+        backend: "auto", "triton" or "reference", for every patched op.
+
+    Raises:
+        ValueError: nothing selected, an unknown backend, or ``model`` holds no module to patch.
+        ImportError: SGLang or its Gemma 4 is missing.
+    """
+    caller = "apply_fused_vision_to_sglang_gemma4"
+    embedder_op, pooler_op = _selected_ops(
+        caller, patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend
+    )
+    vision = _sglang_vision()
+    targets = [
+        (vision.Gemma4VisionPatchEmbedder, embedder_op, _embedder_forward),
+        (vision.Gemma4VisionPooler, pooler_op, _pooler_forward),
+    ]
+    release = dict(onehot_lookup=_lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
+    hint = (
+        "Pass SGLang's Gemma4ForConditionalGeneration or Gemma4VisionEncoder (for transformers' Gemma 4, "
+        "apply_fused_vision_to_gemma4), or call it with model=None before the model is built."
+    )
+    return _apply(caller, targets, model, backend, release, hint)
+
+
+def sglang_plugin() -> None:
+    """SGLang's general-plugin hook (entry point group ``sglang.srt.plugins``), which SGLang runs in every
+    process it starts, its schedulers included. Opt-in: patches SGLang's Gemma 4 classes only when
+    FUSED_VISION_SGLANG=1."""
+    if os.environ.get(ENV_SGLANG) != "1":
+        return
+    try:
+        apply_fused_vision_to_sglang_gemma4()
+    except ImportError as exc:
+        logger.warning("fused_vision: %s=1 but SGLang's Gemma 4 cannot be patched here (%s)", ENV_SGLANG, exc)

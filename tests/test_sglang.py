@@ -1,0 +1,311 @@
+"""fused_vision.sglang against SGLang's own Gemma 4 vision tower (``sglang.srt.models.gemma4_vision``).
+
+SGLang needs CUDA and some 140 packages, so where it is not installed these tests load SGLang's real
+module file alone, named by FUSED_VISION_SGLANG_GEMMA4_VISION (CI takes it from the sglang wheel), with
+the sglang modules it imports replaced by inert stand-ins. The patch embedder and the pooler use torch
+alone; the encoder's attention layers, which use the stand-ins, are replaced by a small stand-in block
+in the whole-encoder tests, so the rest of SGLang's ``Gemma4VisionEncoder.forward`` runs as shipped.
+"""
+
+import ast
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from test_gemma4 import float64_twin, make_inputs, randomize, vision_config
+
+import fused_vision.gemma4 as fg  # noqa: E402
+import fused_vision.sglang as fs  # noqa: E402
+from fused_vision.gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4  # noqa: E402
+from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4  # noqa: E402
+
+SGLANG_FILE_ENV = "FUSED_VISION_SGLANG_GEMMA4_VISION"
+SGLANG_FETCH = (
+    "pip download --no-deps sglang==0.5.23, then extract sglang/srt/models/gemma4_vision.py from the wheel "
+    "(as .ci/run does)"
+)
+POOLING = 3  # Gemma 4's k: bf16's 1/9 is where SGLang's pooler rounds its weights
+GRIDS = [(9, 6), (6, 3), (3, 12)]  # 6, 2 and 4 soft tokens of L = 9, each item padded
+SEQ_LEN = 81
+HIDDEN = 40
+
+
+def _stand_in(name: str) -> types.ModuleType:
+    """An empty package whose every public name is a callable returning False."""
+    module = types.ModuleType(name)
+    module.__path__ = []  # a package: its submodules resolve through sys.modules
+
+    def inert(attr):
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        return lambda *args, **kwargs: False
+
+    module.__getattr__ = inert
+    return module
+
+
+def _load_file_alone(path: Path, monkeypatch_modules: dict) -> types.ModuleType:
+    """Execute SGLang's module file as ``fs.SGLANG_MODULE``, with stand-ins for the sglang modules (and
+    any missing third-party ones, such as einops) it imports. Entries it adds are recorded to undo."""
+    tree = ast.parse(path.read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
+    stand_ins = {"sglang", "sglang.srt", "sglang.srt.models"}
+    for name in imported:
+        root = name.split(".")[0]
+        if root == "sglang" or importlib.util.find_spec(root) is None:
+            parts = name.split(".")
+            stand_ins |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
+    for name in sorted(stand_ins) + [fs.SGLANG_MODULE]:
+        monkeypatch_modules[name] = sys.modules.get(name)
+    for name in stand_ins:
+        sys.modules[name] = _stand_in(name)
+    spec = importlib.util.spec_from_file_location(fs.SGLANG_MODULE, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[fs.SGLANG_MODULE] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def sgl():
+    """SGLang's Gemma 4 vision module: the installed one, else the file named by the environment."""
+    if importlib.util.find_spec("sglang") is not None:
+        yield importlib.import_module(fs.SGLANG_MODULE)
+        return
+    path = os.environ.get(SGLANG_FILE_ENV)
+    if not path:
+        pytest.skip(f"SGLang is not installed and {SGLANG_FILE_ENV} is unset: {SGLANG_FETCH}")
+    saved: dict = {}
+    try:
+        yield _load_file_alone(Path(path), saved)
+    finally:
+        for name, module in saved.items():
+            if module is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = module
+
+
+@pytest.fixture(autouse=True)
+def stock_after_each_test():
+    yield
+    revert_fused_vision_gemma4()
+
+
+class StandInBlock(nn.Module):
+    """In place of SGLang's tensor-parallel transformer: a residual tanh MLP that mixes each patch's
+    features (and, through the mask, leaves padding rows as they came)."""
+
+    def __init__(self, config, quant_config=None, prefix=""):
+        super().__init__()
+        self.mix = nn.Linear(config.hidden_size, config.hidden_size)
+
+    def forward(self, inputs_embeds, attention_mask, patch_positions):
+        update = torch.tanh(self.mix(inputs_embeds))
+        return inputs_embeds + update * attention_mask.unsqueeze(-1).to(update.dtype)
+
+
+def config():
+    return vision_config(patch_size=2, pooling=POOLING, positions=64, hidden=HIDDEN)
+
+
+def make_embedder(sgl, dtype, seed=0):
+    return randomize(sgl.Gemma4VisionPatchEmbedder(config()), seed).to(DEVICE, dtype).eval()
+
+
+def make_encoder(sgl, monkeypatch, dtype, *, mask_first=False, standardize=False, seed=0):
+    monkeypatch.setattr(sgl, "Gemma4VisionTransformer", StandInBlock)
+    vision = config()
+    vision.standardize = standardize
+    encoder = sgl.Gemma4VisionEncoder(vision, mask_pad_before_pool=mask_first)
+    return randomize(encoder, seed).to(DEVICE, dtype).eval()
+
+
+def inputs(dtype=torch.float32):
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    return pixels.to(dtype), ids, (ids == -1).all(-1)
+
+
+def ulps_apart(actual: torch.Tensor, expected: torch.Tensor) -> int:
+    """The most units in the last place between same-signed finite values of one float dtype."""
+    int_view = {2: torch.int16, 4: torch.int32}[actual.element_size()]
+    assert (actual.sign() * expected.sign() >= 0).all()
+    return int((actual.view(int_view).long() - expected.view(int_view).long()).abs().max())
+
+
+# ---- the module under test is SGLang's own -------------------------------------------------------------
+
+
+def test_the_tower_under_test_is_sglangs_own_code(sgl):
+    source = Path(inspect.getsourcefile(sgl.Gemma4VisionPatchEmbedder)).as_posix()
+    assert source.endswith("sglang/srt/models/gemma4_vision.py") or source.endswith("gemma4_vision.py")
+    assert sgl.Gemma4VisionPooler.__module__ == fs.SGLANG_MODULE
+    assert fg._lookup_is_onehot(sgl.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
+    assert sgl.Gemma4VisionPatchEmbedder is not fg._modeling().Gemma4VisionPatchEmbedder
+
+
+# ---- parity with SGLang's stock modules -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_lookup_alone_is_bit_identical(sgl, dtype):
+    embedder = make_embedder(sgl, dtype)
+    pixels, ids, padding = inputs(dtype)
+    with torch.no_grad():
+        stock = embedder(pixels, ids, padding)
+        assert apply_fused_vision_to_sglang_gemma4(embedder, patch_embedder=False, pooler=False) == 1
+        fused = embedder(pixels, ids, padding)
+    assert_bit_identical(fused, stock, "SGLang patch embedder, lookup alone")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_patch_embed_matches_stock(sgl, dtype, poisoned):
+    embedder = make_embedder(sgl, dtype)
+    pixels, ids, padding = inputs(dtype)
+    with torch.no_grad():
+        stock = embedder(pixels, ids, padding)
+        exact = float64_twin(embedder)(pixels.double(), ids, padding)
+        assert apply_fused_vision_to_sglang_gemma4(embedder, pooler=False) == 1
+        fused = embedder(pixels, ids, padding)
+    assert fused.dtype == stock.dtype
+    if dtype == torch.float32:
+        assert_close(fused, stock, rtol=1e-5, atol=1e-5, what="SGLang patch embedder")
+    assert_as_accurate_as_stock(fused, stock, exact, ords=(2, float("inf")), what="SGLang patch embedder")
+
+
+@pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_pooler_matches_stock(sgl, dtype, mask_first, poisoned):
+    """The mask bit for bit; the pooled values closer to the float64 truth than stock, within 2 ulps of it
+    (stock's weights are 1/9 rounded to the dtype); padding pools into slot 0 exactly when stock's does."""
+    pooler = sgl.Gemma4VisionPooler(config(), mask_pad_before_pool=mask_first)
+    _, ids, padding = inputs()
+    hidden = (torch.randn(len(GRIDS), SEQ_LEN, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
+    hidden = hidden.to(dtype)
+    length = SEQ_LEN // POOLING**2
+    with torch.no_grad():
+        stock, stock_mask = pooler(hidden, ids, padding, output_length=length)
+        exact, _ = pooler(hidden.double(), ids, padding, output_length=length)
+        assert apply_fused_vision_to_sglang_gemma4(pooler, patch_embedder=False, position_embeddings=False) == 1
+        fused, mask = pooler(hidden, ids, padding, output_length=length)
+    assert fused.dtype == stock.dtype == dtype
+    assert_bit_identical(mask, stock_mask, "SGLang pooler mask")
+    if dtype == torch.float32:
+        assert_close(fused, stock, rtol=1e-6, atol=1e-6, what="SGLang pooled")
+    else:
+        filled = stock_mask.unsqueeze(-1).expand_as(stock)
+        assert ulps_apart(fused[filled], stock[filled]) <= 2
+    floor = 2**-24 * 16 if dtype == torch.float32 else 0.0
+    assert_as_accurate_as_stock(fused, stock, exact, slack=1.0, floor=floor, ords=(2, float("inf")), what="pooled")
+
+
+def test_pooler_leaves_the_unpooled_path_and_errors_to_stock(sgl):
+    pooler = sgl.Gemma4VisionPooler(config())
+    _, ids, padding = inputs()
+    hidden = torch.randn(len(GRIDS), SEQ_LEN, HIDDEN).to(DEVICE, torch.bfloat16)
+    stock = pooler(hidden, ids, padding, output_length=SEQ_LEN)  # N == L: a scale, and the padding as the mask
+    apply_fused_vision_to_sglang_gemma4(pooler)
+    fused = pooler(hidden, ids, padding, output_length=SEQ_LEN)
+    for got, expected, what in zip(fused, stock, ("unpooled", "mask")):
+        assert_bit_identical(got, expected, what)
+    with pytest.raises(ValueError, match="output_length is required"):
+        pooler(hidden, ids, padding)
+    with pytest.raises(ValueError, match="Cannot pool"):
+        pooler(hidden, ids, padding, output_length=SEQ_LEN // 2)
+
+
+@pytest.mark.parametrize("standardize", [False, True], ids=["plain", "standardize"])
+@pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_encoder_forward_matches_stock_without_a_one_hot(sgl, monkeypatch, dtype, mask_first, standardize):
+    """SGLang's own ``Gemma4VisionEncoder.forward`` with both modules patched at the class: no F.one_hot
+    runs, and the soft tokens are stock's (fp32) and no less accurate than stock's against float64."""
+    encoder = make_encoder(sgl, monkeypatch, dtype, mask_first=mask_first, standardize=standardize)
+    pixels, ids, _ = inputs(dtype)
+    with torch.no_grad():
+        stock, stock_mask = encoder(pixels, ids)
+        exact, _ = float64_twin(encoder)(pixels.double(), ids)
+        assert apply_fused_vision_to_sglang_gemma4() == 2
+        assert "fused_vision=patch_embed(backend=auto)" in repr(encoder.patch_embedder)
+
+        def no_one_hot(*args, **kwargs):
+            raise AssertionError("F.one_hot ran inside a patched SGLang tower")
+
+        monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
+        fused, mask = encoder(pixels, ids)
+    assert_bit_identical(mask, stock_mask, "pooler mask")
+    if dtype == torch.float32:
+        assert_close(fused, stock, rtol=1e-5, atol=1e-5, what="SGLang soft tokens")
+    floor = 16 * 2**-24 if dtype == torch.float32 else 2**-8
+    assert_as_accurate_as_stock(fused, stock, exact, floor=floor, ords=(2, float("inf")), what="SGLang soft tokens")
+
+
+# ---- patching: instances, revert, errors, the plugin -------------------------------------------------------
+
+
+def test_instance_patch_and_revert(sgl, monkeypatch):
+    encoder = make_encoder(sgl, monkeypatch, torch.float32)
+    pixels, ids, _ = inputs()
+    with torch.no_grad():
+        stock, _ = encoder(pixels, ids)
+    assert apply_fused_vision_to_sglang_gemma4(encoder, backend="reference") == 2
+    assert apply_fused_vision_to_sglang_gemma4(encoder, backend="reference") == 2  # idempotent
+    assert "fused_vision=pool_by_positions(backend=reference)" in repr(encoder.pooler)
+    other = make_encoder(sgl, monkeypatch, torch.float32)
+    assert getattr(other.patch_embedder, "_fused_vision", None) is None  # the instance patch stays its own
+    assert revert_fused_vision_gemma4(encoder) == 2
+    assert "fused_vision" not in repr(encoder)
+    with torch.no_grad():
+        assert_bit_identical(encoder(pixels, ids)[0], stock, "reverted encoder")
+
+
+def test_apply_errors_name_the_problem(sgl, monkeypatch):
+    encoder = make_encoder(sgl, monkeypatch, torch.float32)
+    with pytest.raises(ValueError, match="nothing selected"):
+        apply_fused_vision_to_sglang_gemma4(patch_embedder=False, position_embeddings=False, pooler=False)
+    with pytest.raises(ValueError, match="backend"):
+        apply_fused_vision_to_sglang_gemma4(backend="cuda")
+    with pytest.raises(TypeError, match="Module"):
+        apply_fused_vision_to_sglang_gemma4("encoder")
+    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder or Gemma4VisionPooler.*apply_fused_vision_to_gemma4"):
+        apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
+    # transformers' patch, handed SGLang's tower, points to this one
+    with pytest.raises(ValueError, match="SGLang model.*apply_fused_vision_to_sglang_gemma4"):
+        apply_fused_vision_to_gemma4(encoder)
+    monkeypatch.setitem(sys.modules, fs.SGLANG_MODULE, None)
+    with pytest.raises(ImportError, match="needs SGLang with Gemma 4"):
+        apply_fused_vision_to_sglang_gemma4()
+
+
+def test_sglang_plugin_is_registered_and_opt_in(sgl, monkeypatch, caplog):
+    (entry_point,) = [
+        e for e in importlib.metadata.entry_points(group="sglang.srt.plugins") if e.value.startswith("fused_vision")
+    ]
+    plugin = entry_point.load()
+    assert plugin is fs.sglang_plugin
+    stock_forward = sgl.Gemma4VisionPooler.forward
+    monkeypatch.delenv(fs.ENV_SGLANG, raising=False)
+    plugin()
+    assert sgl.Gemma4VisionPooler.forward is stock_forward
+    monkeypatch.setenv(fs.ENV_SGLANG, "1")
+    plugin()
+    assert sgl.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
+    assert sgl.Gemma4VisionPooler.forward is fs._pooler_forward
+    revert_fused_vision_gemma4()
+    assert sgl.Gemma4VisionPooler.forward is stock_forward
+    # where SGLang's Gemma 4 is missing it warns rather than raise inside SGLang's plugin loader
+    monkeypatch.setitem(sys.modules, fs.SGLANG_MODULE, None)
+    with caplog.at_level("WARNING", logger="fused_vision"):
+        plugin()
+    assert "cannot be patched" in caplog.text
