@@ -230,17 +230,11 @@ def _pooler_runs_fused(pooler: nn.Module, hidden_states, pixel_position_ids, pad
 
 def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, output_length=None, *args, **kwargs):
     """``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``, in the release's dtype."""
-    fused = getattr(self, _STATE, None)
-    if args or kwargs or not _pooler_runs_fused(self, hidden_states, pixel_position_ids, padding_positions, output_length):
-        stock = _stock_forward(self)
-        return stock(hidden_states, pixel_position_ids, padding_positions, output_length, *args, **kwargs)
-    pooled, mask = _fused_pool_by_positions(
-        hidden_states,
-        pixel_position_ids,
-        padding_positions,
-        output_length,
-        backend=fused.backend,
-    )
+    inputs = (hidden_states, pixel_position_ids, padding_positions, output_length)
+    if args or kwargs or not _pooler_runs_fused(self, *inputs):
+        return _stock_forward(self)(*inputs, *args, **kwargs)
+    fused = getattr(self, _STATE)
+    pooled, mask = _fused_pool_by_positions(*inputs, backend=fused.backend)
     if not fused.pooler_float32:
         pooled = pooled.to(hidden_states.dtype)  # 5.5-5.9 scale in the hidden dtype: the same rounding
     return pooled, mask
@@ -428,17 +422,17 @@ def apply_fused_vision_to_gemma4(
         "have no vision tower), or call it with model=None before the model is built."
     )
     if isinstance(model, nn.Module) and any(type(m).__module__.startswith("sglang.") for m in model.modules()):
-        hint = "This is an SGLang model, whose tower is SGLang's own: use fused_vision.sglang.apply_fused_vision_to_sglang_gemma4."
+        hint = "It is an SGLang model, whose tower is SGLang's own: use apply_fused_vision_to_sglang_gemma4."
     return _apply(caller, targets, model, backend, release, hint)
 
 
 def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
     """Undo ``apply_fused_vision_to_gemma4`` (and ``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``).
 
-    With ``model=None``: restore every patched class (transformers', SGLang's) and every instance patched
-    (or pinned) with ``model=``, so all of Gemma 4 runs stock code again; returns the number of classes and instance
-    patches undone. With a model: its modules run stock code, even while the classes stay patched;
-    returns the number of its modules that were running a fused op.
+    With ``model=None``: restore every patched class (transformers', SGLang's) and every instance
+    patched (or pinned) with ``model=``, so all of Gemma 4 runs stock code again; returns the number of
+    classes and instance patches undone. With a model: its modules run stock code, even while the
+    classes stay patched; returns the number of its modules that were running a fused op.
     """
     if model is None:
         classes = sum(_revert_class(cls) for cls in list(_CLASS_ORIGINALS))

@@ -64,15 +64,16 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     transformers' pooler: stock's matmul weighs it by 1/k^2 rounded to the hidden dtype (in bf16, 1/9
     comes out 0.2 % too large), so in bf16 and fp16 the two differ by a rounding.
     """
+    inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)
     if (
         args
         or kwargs
         or not isinstance(mask_first, bool)
-        or not _pooler_runs_fused(self, hidden_states, patch_positions, padding_positions, output_length)
+        or not _pooler_runs_fused(self, *inputs)
         or output_length == hidden_states.shape[1]  # stock skips the pooling: a scale, nothing to fuse
     ):
-        return _stock_forward(self)(hidden_states, patch_positions, padding_positions, output_length, *args, **kwargs)
+        return _stock_forward(self)(*inputs, *args, **kwargs)
     padding = padding_positions if mask_first else torch.zeros_like(padding_positions)
     pooled, mask = _fused_pool_by_positions(
         hidden_states, patch_positions, padding, output_length, backend=getattr(self, _STATE).backend

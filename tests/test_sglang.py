@@ -278,7 +278,7 @@ def test_apply_errors_name_the_problem(sgl, monkeypatch):
         apply_fused_vision_to_sglang_gemma4(backend="cuda")
     with pytest.raises(TypeError, match="Module"):
         apply_fused_vision_to_sglang_gemma4("encoder")
-    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder or Gemma4VisionPooler.*apply_fused_vision_to_gemma4"):
+    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder or Gemma4VisionPooler.*for transformers"):
         apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
     # transformers' patch, handed SGLang's tower, points to this one
     with pytest.raises(ValueError, match="SGLang model.*apply_fused_vision_to_sglang_gemma4"):
