@@ -333,20 +333,30 @@ def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
     return was_fused
 
 
-def _selected_ops(caller: str, *, patch_embedder: bool, position_embeddings: bool, pooler: bool, backend: str):
-    """The (embedder op, pooler op) that an ``apply_…`` call's keywords select; None: leave it stock."""
+def _apply(
+    caller: str,
+    model: nn.Module | None,
+    classes: tuple[type, type],
+    pooler_forward,
+    release: dict,
+    hint: str,
+    *,
+    patch_embedder: bool,
+    position_embeddings: bool,
+    pooler: bool,
+    backend: str,
+) -> int:
+    """The body of an ``apply_…`` call: patch a tower's (embedder, pooler) ``classes`` with the ops the
+    keywords select, or with ``model`` their instances inside it. Returns the number of classes or
+    modules set to a fused op."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     embedder_op = "patch_embed" if patch_embedder else "position_embeddings" if position_embeddings else None
     pooler_op = "pool_by_positions" if pooler else None
     if embedder_op is None and pooler_op is None:
         raise ValueError(f"{caller}: nothing selected (patch_embedder, position_embeddings and pooler are all False)")
-    return embedder_op, pooler_op
-
-
-def _apply(caller: str, targets, model: nn.Module | None, backend: str, release: dict, hint: str) -> int:
-    """Patch each (class, op, forward) of ``targets`` whose op is not None: the classes, or with ``model``
-    the instances of them inside it. Returns the number of classes or modules set to a fused op."""
+    embedder_cls, pooler_cls = classes
+    targets = [(embedder_cls, embedder_op, _embedder_forward), (pooler_cls, pooler_op, pooler_forward)]
     targets = [(cls, op, forward) for cls, op, forward in targets if op is not None]
     if model is None:
         for cls, op, forward in targets:
@@ -407,15 +417,8 @@ def apply_fused_vision_to_gemma4(
             ``gemma4_unified`` checkpoints, which have no vision tower).
         ImportError: transformers or its Gemma 4 is missing.
     """
-    caller = "apply_fused_vision_to_gemma4"
-    embedder_op, pooler_op = _selected_ops(
-        caller, patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend
-    )
     modeling = _modeling()
-    targets = [
-        (modeling.Gemma4VisionPatchEmbedder, embedder_op, _embedder_forward),
-        (modeling.Gemma4VisionPooler, pooler_op, _pooler_forward),
-    ]
+    classes = (modeling.Gemma4VisionPatchEmbedder, modeling.Gemma4VisionPooler)
     release = dict(onehot_lookup=_onehot_lookup(), pooler_float32=_pooler_returns_float32())
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
@@ -423,7 +426,10 @@ def apply_fused_vision_to_gemma4(
     )
     if isinstance(model, nn.Module) and any(type(m).__module__.startswith("sglang.") for m in model.modules()):
         hint = "It is an SGLang model, whose tower is SGLang's own: use apply_fused_vision_to_sglang_gemma4."
-    return _apply(caller, targets, model, backend, release, hint)
+    return _apply(
+        "apply_fused_vision_to_gemma4", model, classes, _pooler_forward, release, hint,
+        patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend,
+    )
 
 
 def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:

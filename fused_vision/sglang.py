@@ -26,15 +26,7 @@ import os
 import torch
 from torch import nn
 
-from .gemma4 import (
-    _STATE,
-    _apply,
-    _embedder_forward,
-    _lookup_is_onehot,
-    _pooler_runs_fused,
-    _selected_ops,
-    _stock_forward,
-)
+from .gemma4 import _STATE, _apply, _lookup_is_onehot, _pooler_runs_fused, _stock_forward
 from .pooler import pool_by_positions as _fused_pool_by_positions
 
 __all__ = ["apply_fused_vision_to_sglang_gemma4", "sglang_plugin"]
@@ -108,21 +100,17 @@ def apply_fused_vision_to_sglang_gemma4(
         ValueError: nothing selected, an unknown backend, or ``model`` holds no module to patch.
         ImportError: SGLang or its Gemma 4 is missing.
     """
-    caller = "apply_fused_vision_to_sglang_gemma4"
-    embedder_op, pooler_op = _selected_ops(
-        caller, patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend
-    )
     vision = _sglang_vision()
-    targets = [
-        (vision.Gemma4VisionPatchEmbedder, embedder_op, _embedder_forward),
-        (vision.Gemma4VisionPooler, pooler_op, _pooler_forward),
-    ]
+    classes = (vision.Gemma4VisionPatchEmbedder, vision.Gemma4VisionPooler)
     release = dict(onehot_lookup=_lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
     hint = (
         "Pass SGLang's Gemma4ForConditionalGeneration or Gemma4VisionEncoder (for transformers' Gemma 4, "
         "apply_fused_vision_to_gemma4), or call it with model=None before the model is built."
     )
-    return _apply(caller, targets, model, backend, release, hint)
+    return _apply(
+        "apply_fused_vision_to_sglang_gemma4", model, classes, _pooler_forward, release, hint,
+        patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend,
+    )
 
 
 def sglang_plugin() -> None:
