@@ -7,8 +7,9 @@
 
 SGLang (0.5.x, ``sglang.srt.models.gemma4_vision``) builds its own ``Gemma4VisionEncoder``: tensor-parallel
 attention around a patch embedder that is transformers 5.5-5.9's, int64 one-hot lookup included, and a
-pooler that is a one-hot matmul in the hidden dtype. It encodes all the images (or video frames) of a
-request in one call, unchunked, so the one-hot's 160 KiB per patch is the encoder's largest transient.
+pooler that is a one-hot matmul in the hidden dtype. It encodes each pixel tensor of a request (the
+images one processor call batched, or every frame of its videos) in one call, unchunked, so the
+one-hot's 160 KiB per patch is the encoder's largest transient.
 The patched embedder is stock's with the lookup bit-identical; the patched pooler differs from stock in
 rounding only (``_pooler_forward``).
 
@@ -54,7 +55,7 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     (ids clamped to (0, 0)) pool into slot 0 unless the module masks them first (``mask_pad_before_pool``,
     which SGLang's ``gemma4_mm`` leaves False). Unlike stock, each patch weighs exactly 1/k^2, as in
     transformers' pooler: stock's matmul weighs it by 1/k^2 rounded to the hidden dtype (in bf16, 1/9
-    comes out 0.2 % too large), so in bf16 and fp16 the two differ by a rounding.
+    comes out 0.2 % too large), so in bf16 and fp16 the two lie within 2 ulps (tests/test_sglang.py).
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)

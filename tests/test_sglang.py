@@ -24,10 +24,10 @@ from torch import nn
 from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from test_gemma4 import float64_twin, make_inputs, randomize, vision_config
 
-import fused_vision.gemma4 as fg  # noqa: E402
-import fused_vision.sglang as fs  # noqa: E402
-from fused_vision.gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4  # noqa: E402
-from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4  # noqa: E402
+import fused_vision.gemma4 as fg
+import fused_vision.sglang as fs
+from fused_vision.gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
+from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4
 
 SGLANG_FILE_ENV = "FUSED_VISION_SGLANG_GEMMA4_VISION"
 SGLANG_FETCH = (
@@ -54,9 +54,10 @@ def _stand_in(name: str) -> types.ModuleType:
     return module
 
 
-def _load_file_alone(path: Path, monkeypatch_modules: dict) -> types.ModuleType:
+def _load_file_alone(path: Path, replaced: dict) -> types.ModuleType:
     """Execute SGLang's module file as ``fs.SGLANG_MODULE``, with stand-ins for the sglang modules (and
-    any missing third-party ones, such as einops) it imports. Entries it adds are recorded to undo."""
+    any missing third-party ones, such as einops) it imports. ``replaced`` receives the sys.modules
+    entries it sets, with what they held before (None: nothing), to restore."""
     tree = ast.parse(path.read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.level == 0}
     imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names}
@@ -67,7 +68,7 @@ def _load_file_alone(path: Path, monkeypatch_modules: dict) -> types.ModuleType:
             parts = name.split(".")
             stand_ins |= {".".join(parts[:i]) for i in range(1, len(parts) + 1)}
     for name in sorted(stand_ins) + [fs.SGLANG_MODULE]:
-        monkeypatch_modules[name] = sys.modules.get(name)
+        replaced[name] = sys.modules.get(name)
     for name in stand_ins:
         sys.modules[name] = _stand_in(name)
     spec = importlib.util.spec_from_file_location(fs.SGLANG_MODULE, path)
@@ -148,8 +149,8 @@ def ulps_apart(actual: torch.Tensor, expected: torch.Tensor) -> int:
 
 
 def test_the_tower_under_test_is_sglangs_own_code(sgl):
-    source = Path(inspect.getsourcefile(sgl.Gemma4VisionPatchEmbedder)).as_posix()
-    assert source.endswith("sglang/srt/models/gemma4_vision.py") or source.endswith("gemma4_vision.py")
+    source = Path(inspect.getsourcefile(sgl.Gemma4VisionPatchEmbedder)).resolve()
+    assert source.name == "gemma4_vision.py" and source == Path(sgl.__file__).resolve()
     assert sgl.Gemma4VisionPooler.__module__ == fs.SGLANG_MODULE
     assert fg._lookup_is_onehot(sgl.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
     assert sgl.Gemma4VisionPatchEmbedder is not fg._modeling().Gemma4VisionPatchEmbedder
