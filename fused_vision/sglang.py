@@ -10,8 +10,8 @@ attention around a patch embedder that is transformers 5.5-5.9's, int64 one-hot 
 pooler that is a one-hot matmul in the hidden dtype. It encodes each pixel tensor of a request (the
 images one processor call batched, or every frame of its videos) in one call, unchunked, so the
 one-hot's 160 KiB per patch is the encoder's largest transient.
-The patched embedder is stock's with the lookup bit-identical; the patched pooler differs from stock in
-rounding only (``_pooler_forward``).
+The patched embedder is ``fused_vision.patch_embed`` (or, with ``patch_embedder=False``, stock's with the
+lookup swapped, bit-identical); the patched pooler differs from stock in rounding only (``_pooler_forward``).
 
 SGLang builds its models in scheduler processes that a patch in the launching script does not reach:
 there, set FUSED_VISION_SGLANG=1 and SGLang's plugin loader (entry point group ``sglang.srt.plugins``)
