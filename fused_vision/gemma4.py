@@ -396,7 +396,8 @@ def apply_fused_vision_to_gemma4(
             every instance without a patch of its own uses the fused ops from then on, including towers
             built later by ``from_pretrained`` or by vLLM's ``AutoModel.from_config``. Or a module
             (``Gemma4ForConditionalGeneration``, ``Gemma4Model``, ``Gemma4VisionModel``, or anything
-            containing those two classes) whose instances to patch, whether the class is patched or not.
+            containing those two classes, such as ``EmbeddingGemma2Model`` and DiffusionGemma's models,
+            which build the same tower) whose instances to patch, whether the class is patched or not.
             SGLang builds a tower of its own: ``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``.
         patch_embedder: the whole patch embedder as ``fused_vision.patch_embed`` (prescale, projection,
             lookup and add in one kernel). Where that cannot run (a quantized or hooked ``input_proj``,
@@ -468,16 +469,35 @@ def vllm_plugin() -> None:
 # ---- the batched encoder --------------------------------------------------------------------------
 
 
+_TOWER_SUBMODULES = ("patch_embedder", "encoder", "pooler")
+# Where the tower sits in the models that build one (Gemma4ForConditionalGeneration, Gemma4Model,
+# EmbeddingGemma2Model, DiffusionGemma's models): looked up before walking every module of the LLM.
+_TOWER_PATHS = ("vision_tower", "model.vision_tower", "encoder.vision_tower", "model.encoder.vision_tower")
+
+
+def _is_tower(module) -> bool:
+    return (
+        isinstance(module, nn.Module)
+        and all(name in module._modules for name in _TOWER_SUBMODULES)
+        and hasattr(module, "config")
+    )
+
+
 def _resolve_tower(model: nn.Module) -> nn.Module:
-    """The Gemma4VisionModel itself, or the one inside a Gemma4Model / Gemma4ForConditionalGeneration."""
-    inner = getattr(model, "model", None)
-    for candidate in (model, getattr(model, "vision_tower", None), getattr(inner, "vision_tower", None)):
-        parts = ("patch_embedder", "encoder", "pooler", "config")
-        if candidate is not None and all(hasattr(candidate, part) for part in parts):
+    """The Gemma4VisionModel itself, or the first one inside ``model``."""
+    if _is_tower(model):
+        return model
+    for path in _TOWER_PATHS:
+        candidate = functools.reduce(lambda module, name: getattr(module, name, None), path.split("."), model)
+        if _is_tower(candidate):
             return candidate
+    if isinstance(model, nn.Module):
+        tower = next((module for module in model.modules() if _is_tower(module)), None)
+        if tower is not None:
+            return tower
     raise TypeError(
-        f"vision_tower: expected a Gemma4VisionModel (with patch_embedder, encoder, pooler and config), "
-        f"got {type(model).__name__}"
+        f"vision_tower: expected a Gemma4VisionModel (with patch_embedder, encoder, pooler and config) "
+        f"or a model containing one, got {type(model).__name__}"
     )
 
 
@@ -596,7 +616,8 @@ def encode_images(
     standardized as the release's ``Gemma4VisionModel.forward`` does.
 
     Args:
-        vision_tower: a ``Gemma4VisionModel`` (or a ``Gemma4Model`` / ``Gemma4ForConditionalGeneration``).
+        vision_tower: a ``Gemma4VisionModel``, or a model that contains one (``Gemma4Model``,
+            ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, DiffusionGemma's models, ...).
         pixel_values: (B, N, K) as the image processor returns it, or a list of (N_i, K) / (1, N_i, K).
         pixel_position_ids: (B, N, 2), or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
         max_batch: cap on the items per encoder call.

@@ -234,21 +234,21 @@ def test_autocast_keeps_stock_rounding():
 # ---- patching: classes, instances, idempotence, revert, repr, errors -----------------------------------
 
 
+TINY_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,  # 5.5 cannot validate its rope parameters for a single layer
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=128,
+    hidden_size_per_layer_input=0,
+    layer_types=["sliding_attention", "full_attention"],
+)
+
+
 def tiny_conditional_generation():
-    text = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,  # 5.5 cannot validate its rope parameters for a single layer
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=16,
-        vocab_size=128,
-        hidden_size_per_layer_input=0,
-        vocab_size_per_layer_input=128,
-        num_global_key_value_heads=1,
-        global_head_dim=16,
-        layer_types=["sliding_attention", "full_attention"],
-    )
+    text = dict(TINY_TEXT, vocab_size_per_layer_input=128, num_global_key_value_heads=1, global_head_dim=16)
     vision = vision_config().to_dict()
     config = modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
     return modeling.Gemma4ForConditionalGeneration(config).eval()
@@ -386,6 +386,44 @@ def test_instance_patch_of_a_loaded_model_matches_stock():
     assert "fused_vision" in repr(tower)
     for got, expected in zip(fused, stock, strict=True):
         assert_close(got, expected, **FP32_CLOSE, what="image features")
+
+
+# Model families that build transformers' Gemma 4 tower (AutoModel on a gemma4_vision config), each
+# placing it elsewhere: (module, config class, model class, extra text config).
+TOWER_FAMILIES = {
+    "embedding_gemma2": (
+        "transformers.models.embedding_gemma2.modeling_embedding_gemma2",
+        "EmbeddingGemma2Config",
+        "EmbeddingGemma2Model",
+        dict(embedding_dim=16),
+    ),
+    "diffusion_gemma": (
+        "transformers.models.diffusion_gemma.modeling_diffusion_gemma",
+        "DiffusionGemmaConfig",
+        "DiffusionGemmaForBlockDiffusion",
+        dict(num_experts=2, top_k_experts=1, moe_intermediate_size=16),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(TOWER_FAMILIES))
+def test_models_that_build_the_gemma4_tower(family, planner_calls):
+    module_name, config_name, model_name, text = TOWER_FAMILIES[family]
+    family_modeling = pytest.importorskip(module_name, reason=f"this transformers has no {family}")
+    text_config, vision = dict(TINY_TEXT, **text), vision_config().to_dict()
+    config = getattr(family_modeling, config_name)(text_config=text_config, vision_config=vision)
+    model = getattr(family_modeling, model_name)(config).eval()
+    tower = fg._resolve_tower(model)
+    assert type(tower) is modeling.Gemma4VisionModel
+    randomize(tower, seed=3)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    stock, stock_items = run_tower(tower, pixels, ids), per_item_stock(tower, pixels, ids)
+
+    assert apply_fused_vision_to_gemma4(model) == 2
+    assert fused_ops(model) == ["patch_embed(backend=auto)", "pool_by_positions(backend=auto)"]
+    assert_close(run_tower(tower, pixels, ids), stock, **FP32_CLOSE, what=f"{family} tower")
+    for index, (got, expected) in enumerate(zip(encode_images(model, pixels, ids), stock_items, strict=True)):
+        assert_close(got, expected, **FP32_CLOSE, what=f"{family} encode_images item {index}")
 
 
 def test_errors():
