@@ -115,19 +115,21 @@ def check_pooler(device, results, batch, soft_tokens, hidden, **_):
     ids = image_ids(batch, soft_tokens).to(device)
     padding = reference.default_padding_positions(ids)
     hidden_states = torch.randn(*ids.shape[:2], hidden, device=device, dtype=torch.bfloat16)
-    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, soft_tokens, backend="triton")
-    again, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, soft_tokens, backend="triton")
-    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, soft_tokens)
-    close = torch.allclose(pooled, expected, atol=2**-7 * hidden**0.5, rtol=2**-7)
-    results.append(
-        dict(
-            check=f"pooler_vs_onehot_B{batch}_N{ids.shape[1]}_D{hidden}_bf16",
-            max_abs_diff=float((pooled - expected).abs().max()),
-            mask_equal=bool(torch.equal(mask, expected_mask)),
-            deterministic=bits_equal(pooled, again),
-            ok=close and bool(torch.equal(mask, expected_mask)) and bits_equal(pooled, again),
+    for round_average in (True, False):  # transformers' rounded averages, SGLang EmbeddingGemma2's fp32 ones
+        pool = partial(fused_vision.pool_by_positions, round_average=round_average, backend="triton")
+        pooled, mask = pool(hidden_states, ids, padding, soft_tokens)
+        again, _ = pool(hidden_states, ids, padding, soft_tokens)
+        expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, soft_tokens, round_average)
+        close = torch.allclose(pooled, expected, atol=2**-7 * hidden**0.5, rtol=2**-7)
+        results.append(
+            dict(
+                check=f"pooler_vs_onehot_B{batch}_N{ids.shape[1]}_D{hidden}_bf16{'' if round_average else '_fp32_average'}",
+                max_abs_diff=float((pooled - expected).abs().max()),
+                mask_equal=bool(torch.equal(mask, expected_mask)),
+                deterministic=bits_equal(pooled, again),
+                ok=close and bool(torch.equal(mask, expected_mask)) and bits_equal(pooled, again),
+            )
         )
-    )
 
 
 def check_pooler_backward(device, results, batch, soft_tokens, hidden, **_):

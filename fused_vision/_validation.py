@@ -123,9 +123,11 @@ def check_patch_embed_inputs(
 
 
 def check_pool_inputs(
-    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length
+    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length, round_average
 ) -> None:
     check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
+    if not isinstance(round_average, bool):
+        raise TypeError(f"round_average: expected a bool, got {type(round_average).__name__}")
     batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
     if padding_positions is None:
         raise TypeError("padding_positions: expected a (B, N) bool tensor, got None")

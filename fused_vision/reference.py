@@ -97,14 +97,19 @@ def pooling_slots(position_ids: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def onehot_pool_by_positions(
-    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length: int
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length: int,
+    round_average: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Gemma4VisionPooler.forward`` as transformers ships it: a (B, N, L) fp32 one-hot matmul.
 
     Returns the pooled features scaled by sqrt(D) in fp32 (as transformers 5.10+; 5.5-5.9 return them
     in the hidden dtype, i.e. this result cast back) and the mask of filled slots. When N == L stock
     skips the pooling and returns ``padding_positions`` itself as the mask (True = padding), which the
-    tower then uses as if True meant valid; this mirrors it.
+    tower then uses as if True meant valid; this mirrors it. ``round_average=False``: the fp32 averages
+    are scaled without the round to the hidden dtype, as SGLang's ``EmbeddingGemma2VisionPooler`` does.
     """
     seq_len, hidden = hidden_states.shape[1], hidden_states.shape[2]
     hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
@@ -112,13 +117,19 @@ def onehot_pool_by_positions(
         return hidden_states.float() * hidden**0.5, padding_positions
     k = pooling_kernel_size(seq_len, output_length)
     weights = F.one_hot(pooling_slots(position_ids, k).long(), output_length).float() / (k * k)
-    pooled = (weights.transpose(1, 2) @ hidden_states.float()).to(hidden_states.dtype)
+    pooled = weights.transpose(1, 2) @ hidden_states.float()
+    if round_average:
+        pooled = pooled.to(hidden_states.dtype)
     mask = torch.logical_not((weights == 0).all(dim=1))
     return pooled.float() * hidden**0.5, mask
 
 
 def pool_by_positions(
-    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length: int
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length: int,
+    round_average: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooler as a scatter-add: same semantics as ``onehot_pool_by_positions``, no (B, N, L) one-hot.
 
@@ -138,7 +149,10 @@ def pool_by_positions(
     slots = slots.masked_fill(overflow, 0)  # unchecked: an address in range; the item is NaN below
     sums = torch.zeros(batch, output_length, hidden, dtype=torch.float32, device=hidden_states.device)
     sums.scatter_add_(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())
-    pooled = (sums / (k * k)).to(hidden_states.dtype).float() * hidden**0.5
+    average = sums / (k * k)
+    if round_average:
+        average = average.to(hidden_states.dtype).float()
+    pooled = average * hidden**0.5
     counts = torch.zeros(batch, output_length, dtype=torch.int32, device=hidden_states.device)
     counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
     return pooled.masked_fill(overflow.any(dim=-1)[:, None, None], float("nan")), counts > 0
@@ -150,20 +164,24 @@ def pool_by_positions_backward(
     padding_positions: torch.Tensor,
     output_length: int,
     hidden_dtype: torch.dtype,
+    round_average: bool = True,
 ) -> torch.Tensor:
     """The hidden states' gradient of ``onehot_pool_by_positions``, rounded as stock autograd rounds it.
 
     Stock's chain, backwards: the fp32 sqrt(D) scale, the casts to the hidden dtype around the fp32
-    one-hot matmul (whose one nonzero term per patch is an exact 1/k^2 product), the masked_fill. The
-    (B, N, D) result is bit-identical to autograd through the stock pooler.
+    one-hot matmul (the one after it only where the averages are rounded; its one nonzero term per
+    patch is an exact 1/k^2 product), the masked_fill. The (B, N, D) result is bit-identical to
+    autograd through the stock pooler.
     """
     seq_len, hidden = position_ids.shape[1], grad_pooled.shape[2]
-    grad = (grad_pooled * hidden**0.5).to(hidden_dtype)
+    grad = grad_pooled * hidden**0.5
     if seq_len != output_length:
+        if round_average:
+            grad = grad.to(hidden_dtype)
         k = pooling_kernel_size(seq_len, output_length)
         slots = pooling_slots(position_ids, k).unsqueeze(-1).expand(-1, -1, hidden)
-        grad = (grad.float().gather(1, slots) * (1.0 / (k * k))).to(hidden_dtype)
-    return grad.masked_fill(padding_positions.unsqueeze(-1), 0.0)
+        grad = grad.float().gather(1, slots) * (1.0 / (k * k))
+    return grad.to(hidden_dtype).masked_fill(padding_positions.unsqueeze(-1), 0.0)
 
 
 def position_embeddings_table_grad(

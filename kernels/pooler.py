@@ -1,6 +1,7 @@
 """Gemma 4's pooler as a deterministic segmented sum: no (B, N, L) one-hot, no fp32 copy of the hidden states.
 
-pooled[b, s] = round_hidden(sum_{n: slot(b, n) == s} hidden[b, n] / k^2) * sqrt(D)    (fp32 result)
+pooled[b, s] = round_hidden(sum_{n: slot(b, n) == s} hidden[b, n] / k^2) * sqrt(D)    (fp32 result;
+               without round_hidden where ``round_average`` is False)
 slot(b, n)   = x // k + ((max_x(b) + 1) // k) * (y // k),   with (x, y) = clamp(position_ids[b, n], 0)
 
 Two launches:
@@ -114,6 +115,7 @@ def _pool_by_positions_kernel(
     stride_hidden_d,
     DTYPE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    ROUND_AVERAGE: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -147,8 +149,12 @@ def _pool_by_positions_kernel(
         else:  # a 0/1 matrix and bf16/fp16 rows are exact operands; the sum is fp32
             acc = tl.dot(match.to(DTYPE), rows, acc)
 
-    # Stock averages in fp32, rounds to the hidden dtype, then scales by sqrt(D) in fp32.
-    pooled = round_to(acc * inv_k_squared, DTYPE).to(tl.float32) * scale
+    # Stock averages in fp32, rounds to the hidden dtype (transformers; not SGLang's EmbeddingGemma2), then
+    # scales by sqrt(D) in fp32.
+    average = acc * inv_k_squared
+    if ROUND_AVERAGE:
+        average = round_to(average, DTYPE).to(tl.float32)
+    pooled = average * scale
     # If any patch fell outside the L slots (which the host raises on unless its checks are off), the
     # item's pooled values are NaN rather than short a patch.
     pooled = tl.where(tl.load(overflow_ptr + item) > 0, float("nan"), pooled)
@@ -170,11 +176,13 @@ def _hidden_states_grad_kernel(
     stride_grad_s,
     stride_grad_d,
     DTYPE: tl.constexpr,
+    ROUND_AVERAGE: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
     """grad_hidden[b, n] = round(round(grad_pooled[b, slot(b, n)] * sqrt(D)) * (1 / k^2)) for summed patches,
-    0 for padding: stock autograd's roundings, whose one-hot matmul has one nonzero term per patch."""
+    0 for padding: stock autograd's roundings, whose one-hot matmul has one nonzero term per patch (the
+    inner round only where the forward rounds the average, ``ROUND_AVERAGE``)."""
     rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
     row_in = rows < num_rows
@@ -187,7 +195,9 @@ def _hidden_states_grad_kernel(
         mask=taken[:, None] & col_in[None, :],
         other=0.0,
     ).to(tl.float32)
-    grad = round_to(grad * scale, DTYPE).to(tl.float32)
+    grad = grad * scale
+    if ROUND_AVERAGE:
+        grad = round_to(grad, DTYPE).to(tl.float32)
     grad = round_to(grad * inv_k_squared, DTYPE)
     tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
 
@@ -248,8 +258,11 @@ def pool_by_positions(
     padding_positions: torch.Tensor,
     output_length: int,
     k: int,
+    *,
+    round_average: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the pooler on validated inputs with N = k * k * L, k > 1.
+    """Launch the pooler on validated inputs with N = k * k * L, k > 1; ``round_average``: round each
+    average to the hidden dtype before the sqrt(D) scale.
 
     Returns (pooled fp32 (B, L, D), mask (B, L) bool, overflow (B,) int32: patches whose slot is >= L).
     Items with overflowing patches come out NaN.
@@ -280,9 +293,12 @@ def pool_by_positions(
     if interpreting():
         # Fixed large tiles: the interpreter pays per program, and autotuning needs a GPU.
         block_d = triton.next_power_of_2(hidden)
-        _pool_by_positions_kernel[grid](*args, DTYPE=dtype, DOT_IN_FP32=True, BLOCK_S=32, BLOCK_N=64, BLOCK_D=block_d)
+        _pool_by_positions_kernel[grid](
+            *args, DTYPE=dtype, DOT_IN_FP32=True, ROUND_AVERAGE=round_average, BLOCK_S=32, BLOCK_N=64, BLOCK_D=block_d
+        )
     else:
-        _pool_by_positions_tuned[grid](*args, DTYPE=dtype, DOT_IN_FP32=hidden_states.dtype == torch.float32)
+        dot_in_fp32 = hidden_states.dtype == torch.float32
+        _pool_by_positions_tuned[grid](*args, DTYPE=dtype, DOT_IN_FP32=dot_in_fp32, ROUND_AVERAGE=round_average)
     return pooled, mask, overflow
 
 
@@ -292,9 +308,12 @@ def hidden_states_grad(
     padding_positions: torch.Tensor,
     k: int,
     hidden_dtype: torch.dtype,
+    *,
+    round_average: bool = True,
 ) -> torch.Tensor:
     """Launch the pooler's backward on validated inputs with N = k * k * L, k > 1: a new (B, N, D)
-    tensor in ``hidden_dtype``, bit-identical to stock autograd's gradient."""
+    tensor in ``hidden_dtype``, bit-identical to stock autograd's gradient (through a forward that
+    rounds its averages where ``round_average``)."""
     batch, output_length, hidden = grad_pooled.shape
     seq_len = position_ids.shape[1]
     grad_hidden = torch.empty((batch, seq_len, hidden), dtype=hidden_dtype, device=grad_pooled.device)
@@ -315,6 +334,7 @@ def hidden_states_grad(
         math.sqrt(hidden),
         *grad_pooled.stride(),
         DTYPE=TORCH_TO_TL[hidden_dtype],
+        ROUND_AVERAGE=round_average,
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,

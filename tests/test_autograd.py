@@ -105,6 +105,7 @@ def test_patch_embed_keeps_only_what_the_requested_gradients_read(trainable):
     assert inputs[trainable].grad is not None
 
 
+@pytest.mark.parametrize("round_average", [True, False], ids=["rounded_average", "fp32_average"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
 @pytest.mark.parametrize(
@@ -112,7 +113,7 @@ def test_patch_embed_keeps_only_what_the_requested_gradients_read(trainable):
     [(3, 12, False), (3, 12, True), (2, 30, False), (1, 108, False)],
     ids=["k3", "k3_strided_grad", "k2", "no_pooling"],
 )
-def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, strided_grad):
+def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, strided_grad, round_average):
     """Stock's one-hot matmul has one nonzero term per patch, so its gradient is a scaled, rounded copy
     of the slot's: the fused one must equal it bit for bit, padding rows (one at a real position) 0."""
     hidden_states, ids, padding = make_batch([(12, 9), (6, 6)], k, output_length, 40, dtype, shuffle=True)
@@ -122,10 +123,10 @@ def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, 
         grad_out = torch.randn(output_length, 40, 2, device=DEVICE).permute(2, 0, 1)
 
     def fused(h):
-        return fused_vision.pool_by_positions(h, ids, padding, output_length, backend=backend)
+        return fused_vision.pool_by_positions(h, ids, padding, output_length, round_average=round_average, backend=backend)
 
     def stock(h):
-        return reference.onehot_pool_by_positions(h, ids, padding, output_length)
+        return reference.onehot_pool_by_positions(h, ids, padding, output_length, round_average)
 
     _, (actual,) = grads(fused, [hidden_states], grad_out)
     _, (expected,) = grads(stock, [hidden_states], grad_out)
@@ -176,14 +177,15 @@ def op_samples():
         ("position_embeddings", (table, ids, padding, None, "reference")),
         ("patch_embed", (pixels.requires_grad_(True), weight.requires_grad_(True), ptable.requires_grad_(True), pids,
                          reference.default_padding_positions(pids), "auto")),
-        ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, "auto")),
+        ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, True, "auto")),
+        ("pool_by_positions", (hidden_states.to(torch.bfloat16), pool_ids, pool_padding, 4, False, "auto")),
         ("position_embeddings_table_grad", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
-        ("pool_by_positions_backward", (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, "auto")),
+        ("pool_by_positions_backward", (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, True, "auto")),
         # gradients that require grad: double backward through the backward ops
         ("position_embeddings_table_grad",
          (torch.randn(2, 11, 24, requires_grad=True), ids, padding, 20, torch.float32, "auto")),
         ("pool_by_positions_backward",
-         (torch.randn(2, 4, 24, requires_grad=True), pool_ids, pool_padding, 4, torch.float32, "auto")),
+         (torch.randn(2, 4, 24, requires_grad=True), pool_ids, pool_padding, 4, torch.float32, False, "auto")),
     ]
 
 
@@ -345,7 +347,7 @@ def test_outputs_are_contiguous_whatever_the_inputs_strides(backend):
     pooled, mask = fused_vision.pool_by_positions(hidden_states, pool_ids, padding, 16, backend=backend)
     assert pooled.is_contiguous() and mask.is_contiguous()
     pool_op = torch.ops.fused_vision.pool_by_positions.default
-    torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, backend))
+    torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, True, backend))
 
 
 def test_patch_embed_ignores_autocast_on_every_backend():

@@ -41,7 +41,7 @@ def test_lookup_gpu_tiles(poisoned, gpu_tiles):
 def test_pooler_backward_gpu_tiles(poisoned, gpu_tiles):
     hidden_states, ids, padding = make_batch([(30, 24), (12, 9)], 3, 80, 200, torch.bfloat16)  # 720 rows, D = 200
     grad_pooled = torch.randn(2, 80, 200)
-    actual = pool_by_positions_backward(grad_pooled, ids, padding, 80, torch.bfloat16, "triton")
+    actual = pool_by_positions_backward(grad_pooled, ids, padding, 80, torch.bfloat16, True, "triton")
     expected = reference.pool_by_positions_backward(grad_pooled, ids, padding, 80, torch.bfloat16)
     assert_bit_identical(actual, expected, "grad of hidden_states")
 

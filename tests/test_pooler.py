@@ -40,31 +40,37 @@ def make_batch(grids, k, output_length, hidden, dtype, shuffle=False):
     ],
     ids=["k3_three_items", "k2_shuffled", "k3_D130"],
 )
-def test_matches_onehot_pooler(poisoned, backend, dtype, grids, k, output_length, hidden, shuffle):
+@pytest.mark.parametrize("round_average", [True, False], ids=["rounded_average", "fp32_average"])
+def test_matches_onehot_pooler(poisoned, backend, dtype, grids, k, output_length, hidden, shuffle, round_average):
     hidden_states, ids, padding = make_batch(grids, k, output_length, hidden, dtype, shuffle)
-    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, output_length, backend=backend)
-    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, output_length)
+    pooled, mask = fused_vision.pool_by_positions(
+        hidden_states, ids, padding, output_length, round_average=round_average, backend=backend
+    )
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, output_length, round_average)
     assert pooled.dtype == torch.float32
     assert_bit_identical(mask, expected_mask, "mask")
     tol = TOLERANCE[dtype]
     assert_close(pooled, expected, atol=tol * hidden**0.5, rtol=tol)
 
 
+@pytest.mark.parametrize("round_average", [True, False], ids=["rounded_average", "fp32_average"])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_bit_identical_to_stock_where_the_sums_are_exact(poisoned, backend, dtype):
+def test_bit_identical_to_stock_where_the_sums_are_exact(poisoned, backend, dtype, round_average):
     """Hidden states of the dtype's full precision on one grid (fp32: two bits short) and k = 2: stock's
     terms h / 4 and their sums are exact in fp32 in any order, so the average, its rounding to the hidden
-    dtype (two bits more than the dtype holds) and the fp32 sqrt(D) scale must match stock bit for bit;
-    the tolerance of the other tests would let a skipped rounding through. With k = 3 stock rounds every
-    term h * fl(1/9) before summing, so only the tolerance applies there."""
+    dtype (two bits more than the dtype holds) or not, and the fp32 sqrt(D) scale must match stock bit
+    for bit; the tolerance of the other tests would let a skipped or an extra rounding through. With
+    k = 3 stock rounds every term h * fl(1/9) before summing, so only the tolerance applies there."""
     hidden_states, ids, padding = make_batch([(8, 10), (4, 4), (6, 7)], 2, 20, 40, dtype, shuffle=True)
     bits = {torch.bfloat16: 8, torch.float16: 11, torch.float32: 22}[dtype]
     generator = torch.Generator().manual_seed(3)
     grid_values = torch.randint(-(2 ** (bits - 1)), 2 ** (bits - 1), hidden_states.shape, generator=generator)
     hidden_states = (grid_values / 2 ** (bits - 4)).to(DEVICE, dtype)
-    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 20, backend=backend)
-    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 20)
+    pooled, mask = fused_vision.pool_by_positions(
+        hidden_states, ids, padding, 20, round_average=round_average, backend=backend
+    )
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 20, round_average)
     assert_bit_identical(pooled, expected, "pooled")
     assert_bit_identical(mask, expected_mask, "mask")
 
@@ -161,8 +167,9 @@ def test_int32_positions_whose_slot_passes_2_to_the_31(backend):
         (dict(padding_positions=None), TypeError, r"padding_positions: expected a \(B, N\) bool tensor"),
         (dict(output_length=0), ValueError, r"output_length: expected a positive int"),
         (dict(hidden_states=torch.zeros(1, 35, 16)), ValueError, r"hidden_states: expected shape \(B, N, D\)"),
+        (dict(round_average=1), TypeError, r"round_average: expected a bool, got int"),
     ],
-    ids=["no_padding", "zero_length", "hidden_shape"],
+    ids=["no_padding", "zero_length", "hidden_shape", "round_average_int"],
 )
 def test_bad_input(kwargs, error, pattern):
     hidden_states, ids, padding = make_batch([(6, 6)], 3, 4, 16, torch.float32)
