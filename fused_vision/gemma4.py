@@ -336,8 +336,8 @@ def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
 def _apply(
     caller: str,
     model: nn.Module | None,
-    classes: tuple[type, type],
-    pooler_forward,
+    embedder_cls: type,
+    poolers: Sequence[tuple[type, object]],
     release: dict,
     hint: str,
     *,
@@ -346,18 +346,17 @@ def _apply(
     pooler: bool,
     backend: str,
 ) -> int:
-    """The body of an ``apply_…`` call: patch a tower's (embedder, pooler) ``classes`` with the ops the
-    keywords select, or with ``model`` their instances inside it. Returns the number of classes or
-    modules set to a fused op."""
+    """The body of an ``apply_…`` call: patch a tower's embedder class and its pooler classes (each with
+    its forward: ``poolers`` pairs) with the ops the keywords select, or with ``model`` their instances
+    inside it. Returns the number of classes or modules set to a fused op."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     embedder_op = "patch_embed" if patch_embedder else "position_embeddings" if position_embeddings else None
-    pooler_op = "pool_by_positions" if pooler else None
-    if embedder_op is None and pooler_op is None:
+    if embedder_op is None and not pooler:
         raise ValueError(f"{caller}: nothing selected (patch_embedder, position_embeddings and pooler are all False)")
-    embedder_cls, pooler_cls = classes
-    targets = [(embedder_cls, embedder_op, _embedder_forward), (pooler_cls, pooler_op, pooler_forward)]
-    targets = [(cls, op, forward) for cls, op, forward in targets if op is not None]
+    targets = [(embedder_cls, embedder_op, _embedder_forward)] if embedder_op else []
+    if pooler:
+        targets += [(cls, "pool_by_positions", forward) for cls, forward in poolers]
     if model is None:
         for cls, op, forward in targets:
             _patch_class(cls, forward, _Fused(op, backend, **release))
@@ -373,7 +372,8 @@ def _apply(
         if isinstance(module, cls)
     ]
     if not matches:
-        wanted = " or ".join(cls.__name__ for cls, _, _ in targets)
+        *others, last = [cls.__name__ for cls, _, _ in targets]
+        wanted = f"{', '.join(others)} or {last}" if others else last
         raise ValueError(f"{caller}: {type(model).__name__} contains no {wanted}, so there is nothing to fuse. {hint}")
     for module, cls, op, forward in matches:
         _patch_instance(module, cls, forward, _Fused(op, backend, **release))
@@ -419,7 +419,7 @@ def apply_fused_vision_to_gemma4(
         ImportError: transformers or its Gemma 4 is missing.
     """
     modeling = _modeling()
-    classes = (modeling.Gemma4VisionPatchEmbedder, modeling.Gemma4VisionPooler)
+    poolers = [(modeling.Gemma4VisionPooler, _pooler_forward)]
     release = dict(onehot_lookup=_onehot_lookup(), pooler_float32=_pooler_returns_float32())
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
@@ -428,7 +428,7 @@ def apply_fused_vision_to_gemma4(
     if isinstance(model, nn.Module) and any(type(m).__module__.startswith("sglang.") for m in model.modules()):
         hint = "It is an SGLang model, whose tower is SGLang's own: use apply_fused_vision_to_sglang_gemma4."
     return _apply(
-        "apply_fused_vision_to_gemma4", model, classes, _pooler_forward, release, hint,
+        "apply_fused_vision_to_gemma4", model, modeling.Gemma4VisionPatchEmbedder, poolers, release, hint,
         patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend,
     )
 

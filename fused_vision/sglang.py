@@ -12,6 +12,8 @@ images one processor call batched, or every frame of its videos) in one call, un
 one-hot's 160 KiB per patch is the encoder's largest transient.
 The patched embedder is ``fused_vision.patch_embed`` (or, with ``patch_embedder=False``, stock's with the
 lookup swapped, bit-identical); the patched pooler differs from stock in rounding only (``_pooler_forward``).
+SGLang's EmbeddingGemma2 builds the same tower with a pooler of its own (``EmbeddingGemma2VisionPooler``,
+a float32 one-hot pooler cast once to the hidden dtype), which is patched too (``_embedding_pooler_forward``).
 
 SGLang builds its models in scheduler processes that a patch in the launching script does not reach:
 there, set FUSED_VISION_SGLANG=1 and SGLang's plugin loader (entry point group ``sglang.srt.plugins``)
@@ -35,6 +37,7 @@ __all__ = ["apply_fused_vision_to_sglang_gemma4", "sglang_plugin"]
 logger = logging.getLogger("fused_vision")
 
 SGLANG_MODULE = "sglang.srt.models.gemma4_vision"
+SGLANG_EMBEDDING_MODULE = "sglang.srt.models.embedding_gemma2"
 ENV_SGLANG = "FUSED_VISION_SGLANG"
 
 
@@ -48,6 +51,26 @@ def _sglang_vision():
         ) from exc
 
 
+def _embedding_pooler_classes() -> list[type]:
+    """SGLang's ``EmbeddingGemma2VisionPooler``, where this SGLang has one (0.5.23 does; older ones not)."""
+    try:
+        module = importlib.import_module(SGLANG_EMBEDDING_MODULE)
+    except ImportError as exc:
+        if getattr(exc, "name", None) != SGLANG_EMBEDDING_MODULE:
+            # SGLang could not serve EmbeddingGemma2 either; Gemma 4 itself still gets patched
+            logger.warning("fused_vision: %s does not import (%s); its pooler stays stock", SGLANG_EMBEDDING_MODULE, exc)
+        return []
+    pooler = getattr(module, "EmbeddingGemma2VisionPooler", None)
+    return [pooler] if isinstance(pooler, type) else []
+
+
+def _pools_fused(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) -> bool:
+    """Whether an SGLang pooler hands ``inputs`` to ``pool_by_positions``: not where stock skips the pooling
+    (N == L: a scale, nothing to fuse; EmbeddingGemma2's mask is then ``~padding_positions``)."""
+    hidden_states, _, _, output_length = inputs
+    return not args and not kwargs and _pooler_runs_fused(pooler, *inputs) and output_length != hidden_states.shape[1]
+
+
 def _pooler_forward(self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs):
     """SGLang's ``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``.
 
@@ -59,18 +82,28 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)
-    if (
-        args
-        or kwargs
-        or not isinstance(mask_first, bool)
-        or not _pooler_runs_fused(self, *inputs)
-        or output_length == hidden_states.shape[1]  # stock skips the pooling: a scale, nothing to fuse
-    ):
+    if not isinstance(mask_first, bool) or not _pools_fused(self, inputs, args, kwargs):
         return _stock_forward(self)(*inputs, *args, **kwargs)
     padding = padding_positions if mask_first else torch.zeros_like(padding_positions)
     pooled, mask = _fused_pool_by_positions(
         hidden_states, patch_positions, padding, output_length, backend=getattr(self, _STATE).backend
     )
+    return pooled.to(hidden_states.dtype), mask
+
+
+def _embedding_pooler_forward(
+    self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs
+):
+    """SGLang's ``EmbeddingGemma2VisionPooler.forward`` through ``fused_vision.pool_by_positions``.
+
+    As stock: the fp32 k x k average, scaled by sqrt(D) in fp32 with no rounding between
+    (``round_average=False``), cast once to the hidden dtype; equal to stock up to fp32 summation order.
+    """
+    inputs = (hidden_states, patch_positions, padding_positions, output_length)
+    if not _pools_fused(self, inputs, args, kwargs):
+        return _stock_forward(self)(*inputs, *args, **kwargs)
+    backend = getattr(self, _STATE).backend
+    pooled, mask = _fused_pool_by_positions(*inputs, round_average=False, backend=backend)
     return pooled.to(hidden_states.dtype), mask
 
 
@@ -87,14 +120,17 @@ def apply_fused_vision_to_sglang_gemma4(
     The keywords, the return value and idempotence are ``fused_vision.apply_fused_vision_to_gemma4``'s.
 
     Args:
-        model: None to patch SGLang's ``Gemma4VisionPatchEmbedder`` and ``Gemma4VisionPooler`` classes,
-            for every tower built from then on; or a module (SGLang's ``Gemma4ForConditionalGeneration``,
-            its ``Gemma4VisionEncoder``, ...) whose instances of them to patch.
+        model: None to patch SGLang's ``Gemma4VisionPatchEmbedder``, ``Gemma4VisionPooler`` and (where
+            SGLang has it) ``EmbeddingGemma2VisionPooler`` classes, for every tower built from then on; or
+            a module (SGLang's ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, their
+            ``Gemma4VisionEncoder``, ...) whose instances of them to patch.
         patch_embedder: the whole embedder as ``fused_vision.patch_embed``.
         position_embeddings: when ``patch_embedder`` is False, only the lookup: then the embedder's
             output is bit-identical to stock's.
-        pooler: the pooler as ``fused_vision.pool_by_positions``, which rounds as transformers' pooler
-            does, not as SGLang's (see ``_pooler_forward``); False keeps SGLang's numerics bit for bit.
+        pooler: the poolers as ``fused_vision.pool_by_positions``. ``Gemma4VisionPooler`` then rounds as
+            transformers' pooler does, not as SGLang's (see ``_pooler_forward``);
+            ``EmbeddingGemma2VisionPooler`` equals stock up to float32 summation order. False keeps
+            SGLang's numerics bit for bit.
         backend: "auto", "triton" or "reference", for every patched op.
 
     Raises:
@@ -102,14 +138,15 @@ def apply_fused_vision_to_sglang_gemma4(
         ImportError: SGLang or its Gemma 4 is missing.
     """
     vision = _sglang_vision()
-    classes = (vision.Gemma4VisionPatchEmbedder, vision.Gemma4VisionPooler)
+    poolers = [(vision.Gemma4VisionPooler, _pooler_forward)]
+    poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
     release = dict(onehot_lookup=_lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
     hint = (
-        "Pass SGLang's Gemma4ForConditionalGeneration or Gemma4VisionEncoder (for transformers' Gemma 4, "
-        "apply_fused_vision_to_gemma4), or call it with model=None before the model is built."
+        "Pass SGLang's Gemma4ForConditionalGeneration, EmbeddingGemma2Model or Gemma4VisionEncoder (for "
+        "transformers' Gemma 4, apply_fused_vision_to_gemma4), or call it with model=None before the model is built."
     )
     return _apply(
-        "apply_fused_vision_to_sglang_gemma4", model, classes, _pooler_forward, release, hint,
+        "apply_fused_vision_to_sglang_gemma4", model, vision.Gemma4VisionPatchEmbedder, poolers, release, hint,
         patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend,
     )
 

@@ -1,14 +1,17 @@
 """fused_vision.sglang against SGLang's own Gemma 4 vision tower (``sglang.srt.models.gemma4_vision``).
 
 SGLang needs CUDA and some 140 packages, so where it is not installed these tests load SGLang's real
-module file alone, named by FUSED_VISION_SGLANG_GEMMA4_VISION (CI takes it from the sglang wheel), with
-the sglang modules it imports replaced by inert stand-ins. The patch embedder and the pooler use torch
-alone; the encoder's attention layers, which use the stand-ins, are replaced by a small stand-in block
-in the whole-encoder tests, so the rest of SGLang's ``Gemma4VisionEncoder.forward`` runs as shipped.
+module files from the directory FUSED_VISION_SGLANG_MODELS names (CI takes them from the sglang wheel):
+``gemma4_vision.py`` alone, with the sglang modules it imports replaced by inert stand-ins, and from
+``embedding_gemma2.py`` only its vision pooler, a class that uses torch alone (the rest of that file
+builds SGLang's layers). The patch embedder and the poolers use torch alone; the encoder's attention
+layers, which use the stand-ins, are replaced by a small stand-in block in the whole-encoder tests, so
+the rest of SGLang's ``Gemma4VisionEncoder.forward`` runs as shipped.
 """
 
 import ast
 import importlib
+import importlib.abc
 import importlib.metadata
 import importlib.util
 import inspect
@@ -29,10 +32,11 @@ import fused_vision.sglang as fs
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4
 
-SGLANG_FILE_ENV = "FUSED_VISION_SGLANG_GEMMA4_VISION"
+SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None  # told before any stand-in exists
+SGLANG_DIR_ENV = "FUSED_VISION_SGLANG_MODELS"
 SGLANG_FETCH = (
-    "pip download --no-deps sglang==0.5.23, then extract sglang/srt/models/gemma4_vision.py from the wheel "
-    "(as .ci/run does)"
+    "pip download --no-deps sglang==0.5.23, then extract gemma4_vision.py and embedding_gemma2.py of "
+    "sglang/srt/models from the wheel into one directory (as .ci/run does)"
 )
 POOLING = 3  # Gemma 4's k: bf16's 1/9 is where SGLang's pooler rounds its weights
 GRIDS = [(9, 6), (6, 3), (3, 12)]  # 6, 2 and 4 soft tokens of L = 9, each item padded
@@ -78,24 +82,61 @@ def _load_file_alone(path: Path, replaced: dict) -> types.ModuleType:
     return module
 
 
+def _load_class_alone(path: Path, module_name: str, class_name: str) -> types.ModuleType:
+    """A module ``module_name`` holding one class of SGLang's module file, executed with torch, nn and F
+    alone: a name the class takes from elsewhere in the file fails loudly when it runs."""
+    tree = ast.parse(path.read_text())
+    (node,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == class_name]
+    module = types.ModuleType(module_name)
+    module.__file__ = str(path)
+    module.__dict__.update(torch=torch, nn=nn, F=torch.nn.functional)
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), module.__dict__)
+    return module
+
+
+def _sglang_file(name: str) -> Path:
+    directory = os.environ.get(SGLANG_DIR_ENV)
+    if not directory:
+        pytest.skip(f"SGLang is not installed and {SGLANG_DIR_ENV} is unset: {SGLANG_FETCH}")
+    return Path(directory) / name
+
+
 @pytest.fixture(scope="module")
 def sgl():
-    """SGLang's Gemma 4 vision module: the installed one, else the file named by the environment."""
-    if importlib.util.find_spec("sglang") is not None:
+    """SGLang's Gemma 4 vision module: the installed one, else the file in the environment's directory."""
+    if SGLANG_INSTALLED:
         yield importlib.import_module(fs.SGLANG_MODULE)
         return
-    path = os.environ.get(SGLANG_FILE_ENV)
-    if not path:
-        pytest.skip(f"SGLang is not installed and {SGLANG_FILE_ENV} is unset: {SGLANG_FETCH}")
+    path = _sglang_file("gemma4_vision.py")
     saved: dict = {}
     try:
-        yield _load_file_alone(Path(path), saved)
+        yield _load_file_alone(path, saved)
     finally:
         for name, module in saved.items():
             if module is None:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@pytest.fixture
+def embedding_pooler(sgl, monkeypatch):
+    """SGLang's ``EmbeddingGemma2VisionPooler``: installed, else loaded alone from embedding_gemma2.py and
+    put where the class patch imports it from, for this test only."""
+    if SGLANG_INSTALLED:
+        return importlib.import_module(fs.SGLANG_EMBEDDING_MODULE).EmbeddingGemma2VisionPooler
+    module = _load_class_alone(_sglang_file("embedding_gemma2.py"), fs.SGLANG_EMBEDDING_MODULE, "EmbeddingGemma2VisionPooler")
+    monkeypatch.setitem(sys.modules, fs.SGLANG_EMBEDDING_MODULE, module)
+    return module.EmbeddingGemma2VisionPooler
+
+
+def sglang_classes() -> int:
+    """The classes the class patch sets: EmbeddingGemma2's pooler too, where it imports."""
+    try:
+        importlib.import_module(fs.SGLANG_EMBEDDING_MODULE)
+    except ImportError:
+        return 2
+    return 3
 
 
 @pytest.fixture(autouse=True)
@@ -154,6 +195,12 @@ def test_the_tower_under_test_is_sglangs_own_code(sgl):
     assert sgl.Gemma4VisionPooler.__module__ == fs.SGLANG_MODULE
     assert fg._lookup_is_onehot(sgl.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
     assert sgl.Gemma4VisionPatchEmbedder is not fg._modeling().Gemma4VisionPatchEmbedder
+
+
+def test_the_embedding_pooler_under_test_is_sglangs_own_code(embedding_pooler):
+    source = Path(inspect.getsourcefile(embedding_pooler)).resolve()
+    assert source.name == "embedding_gemma2.py" and embedding_pooler.__module__ == fs.SGLANG_EMBEDDING_MODULE
+    assert "one_hot" in embedding_pooler._avg_pool_by_positions.__code__.co_names
 
 
 # ---- parity with SGLang's stock modules -----------------------------------------------------------------
@@ -226,6 +273,85 @@ def test_pooler_leaves_the_unpooled_path_and_errors_to_stock(sgl):
         pooler(hidden, ids, padding, output_length=SEQ_LEN // 2)
 
 
+def pooler_inputs(dtype):
+    _, ids, padding = inputs()
+    hidden = (torch.randn(len(GRIDS), SEQ_LEN, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
+    return hidden.to(dtype), ids, padding
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_embedding_pooler_matches_stock(embedding_pooler, dtype, poisoned):
+    """EmbeddingGemma2's pooler pools and scales in float32, then casts once: the mask bit for bit, the
+    pooled values stock's up to float32 summation order (in bf16 and fp16 at most 1 ulp apart), and no
+    further from the float64 result than stock's."""
+    pooler = embedding_pooler(config())
+    hidden, ids, padding = pooler_inputs(dtype)
+    length = SEQ_LEN // POOLING**2
+    with torch.no_grad():
+        stock, stock_mask = pooler(hidden, ids, padding, output_length=length)
+        exact, _ = pooler(hidden.double(), ids, padding, output_length=length)
+        assert apply_fused_vision_to_sglang_gemma4(pooler, patch_embedder=False, position_embeddings=False) == 1
+        fused, mask = pooler(hidden, ids, padding, output_length=length)
+    assert "fused_vision=pool_by_positions(backend=auto)" in repr(pooler)
+    assert fused.dtype == stock.dtype == dtype
+    assert_bit_identical(mask, stock_mask, "EmbeddingGemma2 pooler mask")
+    if dtype == torch.float32:
+        assert_close(fused, stock, rtol=1e-6, atol=1e-6, what="EmbeddingGemma2 pooled")
+    else:
+        assert ulps_apart(fused, stock) <= 1
+    floor = 2**-24 * 16 if dtype == torch.float32 else 0.0
+    assert_as_accurate_as_stock(fused, stock, exact, slack=1.0, floor=floor, ords=(2, float("inf")), what="pooled")
+
+
+def test_embedding_pooler_leaves_the_unpooled_path_and_errors_to_stock(embedding_pooler):
+    pooler = embedding_pooler(config())
+    hidden, ids, padding = pooler_inputs(torch.bfloat16)
+    with torch.no_grad():
+        stock = pooler(hidden, ids, padding, output_length=SEQ_LEN)  # N == L: a scale, the padding as mask
+        apply_fused_vision_to_sglang_gemma4(pooler)
+        fused = pooler(hidden, ids, padding, output_length=SEQ_LEN)
+    for got, expected, what in zip(fused, stock, ("unpooled", "mask"), strict=True):
+        assert_bit_identical(got, expected, what)
+    with pytest.raises(ValueError, match="output_length is required"):
+        pooler(hidden, ids, padding)
+    with pytest.raises(ValueError, match="Cannot output more soft tokens"):
+        pooler(hidden, ids, padding, output_length=SEQ_LEN + 1)
+    with pytest.raises(ValueError, match="Cannot pool"):
+        pooler(hidden, ids, padding, output_length=SEQ_LEN // 2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_embedding_gemma2_encoder_matches_stock_without_a_one_hot(sgl, embedding_pooler, monkeypatch, dtype):
+    """SGLang's EmbeddingGemma2Model builds Gemma4VisionEncoder and swaps in its own pooler: patched at
+    the class, and then at the instance, its tower runs no F.one_hot and gives stock's soft tokens."""
+    encoder = make_encoder(sgl, monkeypatch, dtype)
+    encoder.pooler = embedding_pooler(encoder.config)  # as EmbeddingGemma2Model.__init__ does
+    pixels, ids, _ = inputs(dtype)
+    with torch.no_grad():
+        stock, stock_mask = encoder(pixels, ids)
+        exact, _ = float64_twin(encoder)(pixels.double(), ids)
+
+        def no_one_hot(*args, **kwargs):
+            raise AssertionError("F.one_hot ran inside a patched SGLang tower")
+
+        results = {}
+        assert apply_fused_vision_to_sglang_gemma4() == 3
+        with monkeypatch.context() as patch:
+            patch.setattr(torch.nn.functional, "one_hot", no_one_hot)
+            results["class patch"] = encoder(pixels, ids)
+        revert_fused_vision_gemma4()
+        assert apply_fused_vision_to_sglang_gemma4(encoder) == 2
+        assert "fused_vision=pool_by_positions(backend=auto)" in repr(encoder.pooler)
+        monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
+        results["instance patch"] = encoder(pixels, ids)
+    floor = 16 * 2**-24 if dtype == torch.float32 else 2**-8
+    for how, (fused, mask) in results.items():
+        assert_bit_identical(mask, stock_mask, f"{how}: pooler mask")
+        if dtype == torch.float32:
+            assert_close(fused, stock, rtol=1e-5, atol=1e-5, what=f"{how}: EmbeddingGemma2 soft tokens")
+        assert_as_accurate_as_stock(fused, stock, exact, floor=floor, ords=(2, float("inf")), what=how)
+
+
 @pytest.mark.parametrize("standardize", [False, True], ids=["plain", "standardize"])
 @pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -237,7 +363,7 @@ def test_encoder_forward_matches_stock_without_a_one_hot(sgl, monkeypatch, dtype
     with torch.no_grad():
         stock, stock_mask = encoder(pixels, ids)
         exact, _ = float64_twin(encoder)(pixels.double(), ids)
-        assert apply_fused_vision_to_sglang_gemma4() == 2
+        assert apply_fused_vision_to_sglang_gemma4() == sglang_classes()
         assert "fused_vision=patch_embed(backend=auto)" in repr(encoder.patch_embedder)
 
         def no_one_hot(*args, **kwargs):
@@ -287,6 +413,24 @@ def test_apply_errors_name_the_problem(sgl, monkeypatch):
     monkeypatch.setitem(sys.modules, fs.SGLANG_MODULE, None)
     with pytest.raises(ImportError, match="needs SGLang with Gemma 4"):
         apply_fused_vision_to_sglang_gemma4()
+
+
+def test_embedding_gemma2_that_is_absent_or_does_not_import_leaves_gemma4_patched(sgl, monkeypatch, caplog):
+    class MissingDependency(importlib.abc.MetaPathFinder):
+        def find_spec(self, name, path=None, target=None):
+            if name == fs.SGLANG_EMBEDDING_MODULE:
+                raise ModuleNotFoundError("No module named 'flashinfer'", name="flashinfer")
+
+    monkeypatch.setitem(sys.modules, fs.SGLANG_EMBEDDING_MODULE, None)  # an SGLang without EmbeddingGemma2
+    with caplog.at_level("WARNING", logger="fused_vision"):
+        assert apply_fused_vision_to_sglang_gemma4() == 2
+    assert caplog.text == ""
+    monkeypatch.delitem(sys.modules, fs.SGLANG_EMBEDDING_MODULE)
+    monkeypatch.setattr(sys, "meta_path", [MissingDependency(), *sys.meta_path])
+    with caplog.at_level("WARNING", logger="fused_vision"):
+        assert apply_fused_vision_to_sglang_gemma4() == 2
+    assert f"{fs.SGLANG_EMBEDDING_MODULE} does not import (No module named 'flashinfer')" in caplog.text
+    assert sgl.Gemma4VisionPooler.forward is fs._pooler_forward
 
 
 def test_sglang_plugin_is_registered_and_opt_in(sgl, monkeypatch, caplog):
