@@ -232,30 +232,42 @@ def test_patch_embed_matches_stock(sgl, dtype, poisoned):
     assert_as_accurate_as_stock(fused, stock, exact, ords=(2, float("inf")), what="SGLang patch embedder")
 
 
-@pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
-@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_pooler_matches_stock(sgl, dtype, mask_first, poisoned):
-    """The mask bit for bit; the pooled values closer to the float64 truth than stock, within 2 ulps of it
-    (stock's weights are 1/9 rounded to the dtype); padding pools into slot 0 exactly when stock's does."""
-    pooler = sgl.Gemma4VisionPooler(config(), mask_pad_before_pool=mask_first)
+def pooler_inputs(dtype):
     _, ids, padding = inputs()
     hidden = (torch.randn(len(GRIDS), SEQ_LEN, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
-    hidden = hidden.to(dtype)
+    return hidden.to(dtype), ids, padding
+
+
+def pool_before_and_after_the_patch(pooler, dtype):
+    """(stock, fused, stock's mask) of a pooler run before and after its patch; checks that the masks are
+    equal and that the fused values are no further from the float64 result than stock's."""
+    hidden, ids, padding = pooler_inputs(dtype)
     length = SEQ_LEN // POOLING**2
     with torch.no_grad():
         stock, stock_mask = pooler(hidden, ids, padding, output_length=length)
         exact, _ = pooler(hidden.double(), ids, padding, output_length=length)
         assert apply_fused_vision_to_sglang_gemma4(pooler, patch_embedder=False, position_embeddings=False) == 1
         fused, mask = pooler(hidden, ids, padding, output_length=length)
+    assert "fused_vision=pool_by_positions(backend=auto)" in repr(pooler)
     assert fused.dtype == stock.dtype == dtype
-    assert_bit_identical(mask, stock_mask, "SGLang pooler mask")
+    assert_bit_identical(mask, stock_mask, "pooler mask")
+    floor = 2**-24 * 16 if dtype == torch.float32 else 0.0
+    assert_as_accurate_as_stock(fused, stock, exact, slack=1.0, floor=floor, ords=(2, float("inf")), what="pooled")
+    return stock, fused, stock_mask
+
+
+@pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_pooler_matches_stock(sgl, dtype, mask_first, poisoned):
+    """The mask bit for bit; the pooled values closer to the float64 truth than stock, within 2 ulps of it
+    (stock's weights are 1/9 rounded to the dtype); padding pools into slot 0 exactly when stock's does."""
+    pooler = sgl.Gemma4VisionPooler(config(), mask_pad_before_pool=mask_first)
+    stock, fused, stock_mask = pool_before_and_after_the_patch(pooler, dtype)
     if dtype == torch.float32:
         assert_close(fused, stock, rtol=1e-6, atol=1e-6, what="SGLang pooled")
     else:
         filled = stock_mask.unsqueeze(-1).expand_as(stock)
         assert ulps_apart(fused[filled], stock[filled]) <= 2
-    floor = 2**-24 * 16 if dtype == torch.float32 else 0.0
-    assert_as_accurate_as_stock(fused, stock, exact, slack=1.0, floor=floor, ords=(2, float("inf")), what="pooled")
 
 
 def test_pooler_leaves_the_unpooled_path_and_errors_to_stock(sgl):
@@ -273,34 +285,16 @@ def test_pooler_leaves_the_unpooled_path_and_errors_to_stock(sgl):
         pooler(hidden, ids, padding, output_length=SEQ_LEN // 2)
 
 
-def pooler_inputs(dtype):
-    _, ids, padding = inputs()
-    hidden = (torch.randn(len(GRIDS), SEQ_LEN, HIDDEN, generator=torch.Generator().manual_seed(3)) + 0.5).to(DEVICE)
-    return hidden.to(dtype), ids, padding
-
-
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
 def test_embedding_pooler_matches_stock(embedding_pooler, dtype, poisoned):
     """EmbeddingGemma2's pooler pools and scales in float32, then casts once: the mask bit for bit, the
     pooled values stock's up to float32 summation order (in bf16 and fp16 at most 1 ulp apart), and no
     further from the float64 result than stock's."""
-    pooler = embedding_pooler(config())
-    hidden, ids, padding = pooler_inputs(dtype)
-    length = SEQ_LEN // POOLING**2
-    with torch.no_grad():
-        stock, stock_mask = pooler(hidden, ids, padding, output_length=length)
-        exact, _ = pooler(hidden.double(), ids, padding, output_length=length)
-        assert apply_fused_vision_to_sglang_gemma4(pooler, patch_embedder=False, position_embeddings=False) == 1
-        fused, mask = pooler(hidden, ids, padding, output_length=length)
-    assert "fused_vision=pool_by_positions(backend=auto)" in repr(pooler)
-    assert fused.dtype == stock.dtype == dtype
-    assert_bit_identical(mask, stock_mask, "EmbeddingGemma2 pooler mask")
+    stock, fused, _ = pool_before_and_after_the_patch(embedding_pooler(config()), dtype)
     if dtype == torch.float32:
         assert_close(fused, stock, rtol=1e-6, atol=1e-6, what="EmbeddingGemma2 pooled")
     else:
         assert ulps_apart(fused, stock) <= 1
-    floor = 2**-24 * 16 if dtype == torch.float32 else 0.0
-    assert_as_accurate_as_stock(fused, stock, exact, slack=1.0, floor=floor, ords=(2, float("inf")), what="pooled")
 
 
 def test_embedding_pooler_leaves_the_unpooled_path_and_errors_to_stock(embedding_pooler):
