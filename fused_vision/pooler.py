@@ -105,7 +105,8 @@ def _(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype,
 def _backward_setup_context(ctx, inputs, output):
     grad_pooled, position_ids, padding_positions, output_length, hidden_dtype, round_average, backend = inputs
     ctx.save_for_backward(position_ids, padding_positions)
-    ctx.output_length, ctx.grad_dtype, ctx.round_average, ctx.backend = output_length, grad_pooled.dtype, round_average, backend
+    ctx.output_length, ctx.grad_dtype = output_length, grad_pooled.dtype
+    ctx.round_average, ctx.backend = round_average, backend
 
 
 def _backward_backward(ctx, grad_of_grad_hidden):
