@@ -76,6 +76,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's and torch.func's tensors
+_grad_tracking = torch._C._functorch.is_gradtrackingtensor  # torch.func.grad's, jacrev's, jvp's, ...
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -85,7 +86,7 @@ def _plain(t: torch.Tensor) -> bool:
 
 def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
     """Whether a call must go through its registered torch.library op: under torch.compile or another
-    tracer (a dispatch mode, fake or other tensor subclasses, torch.func transforms), for meta tensors
+    tracer (a dispatch mode, fake or other tensor subclasses, vmap's batched tensors), for meta tensors
     (the op's fake implementation gives their shapes), or when autograd will record it. Plain eager
     inference skips the dispatcher's overhead and calls the implementation directly; a kernel never
     sees a tensor it cannot read. Every tensor argument counts, the ids and padding mask included."""
@@ -95,17 +96,26 @@ def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
     return any(t is not None and (not _plain(t) or grad and t.requires_grad) for t in tensors)
 
 
-def forward_ad_tangents(op: str, backend: str, *tensors: torch.Tensor | None) -> bool:
-    """Whether forward-mode AD carries a tangent on one of ``tensors``: the kernels and the registered
-    ops would drop it silently, so the caller runs the reference, whose PyTorch ops carry it (warned
-    once; with backend="triton" this raises instead)."""
-    if fwAD._current_level < 0 or not any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
+def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool:
+    """Whether the call must run the PyTorch reference, whose PyTorch ops the kernels and the registered
+    ops cannot stand in for here: a torch.func differentiating transform (grad, jacrev, jvp, ...) wraps
+    one of ``tensors`` (the registered ops' autograd lacks the ``setup_context`` functorch wants, an open
+    torch bug: pytorch/pytorch#168393; vmap alone takes the registered op), or forward-mode AD carries a
+    tangent on one (the kernels would drop it silently). Warned once; with backend="triton" this raises
+    instead."""
+    present = [t for t in tensors if t is not None]
+    # dynamo cannot trace the wrapper check: under torch.compile the registered op runs, as before
+    if not torch.compiler.is_compiling() and any(_grad_tracking(t) for t in present):
+        missing, runs = "no torch.func support", "torch.func transforms run the PyTorch reference (pytorch/pytorch#168393)"
+    elif fwAD._current_level >= 0 and any(fwAD.unpack_dual(t).tangent is not None for t in present):
+        missing, runs = "no forward-mode AD", "forward-mode AD runs the PyTorch reference, which carries tangents"
+    else:
         return False
     requested = _requested(backend)
     if requested == "triton":
-        raise RuntimeError(f"backend='triton': fused_vision.{op} has no forward-mode AD; use backend='reference'")
+        raise RuntimeError(f"backend='triton': fused_vision.{op} has {missing}; use backend='reference'")
     if requested == "auto":
-        _warn_once(f"fused_vision.{op}: forward-mode AD runs the PyTorch reference, which carries tangents")
+        _warn_once(f"fused_vision.{op}: {runs}")
     return True
 
 

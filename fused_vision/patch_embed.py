@@ -5,7 +5,7 @@ import contextlib
 import torch
 
 from . import reference
-from ._dispatch import check_backend, dispatch, forward_ad_tangents, through_dispatcher
+from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
 from ._validation import check_patch_embed_inputs, check_position_ids_range
 from .position_embedding import table_grad
 
@@ -117,7 +117,7 @@ def patch_embed(
     check_backend(backend)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
-    if forward_ad_tangents("patch_embed", backend, pixel_values, weight, table):
+    if reference_only("patch_embed", backend, pixel_values, weight, table, position_ids, padding_positions):
         return _reference(pixel_values, weight, table, position_ids, padding_positions)
     if through_dispatcher(pixel_values, weight, table, position_ids, padding_positions):
         return _patch_embed_op(pixel_values, weight, table, position_ids, padding_positions, backend)

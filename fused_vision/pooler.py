@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._dispatch import check_backend, dispatch, forward_ad_tangents, through_dispatcher
+from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
 from ._validation import check_pool_inputs, id_checks_enabled
 
 
@@ -183,7 +183,7 @@ def pool_by_positions(
     if not torch.compiler.is_compiling():
         reference.pooling_kernel_size(hidden_states.shape[1], output_length)
     inputs = (hidden_states, position_ids, padding_positions, output_length, round_average)
-    if forward_ad_tangents("pool_by_positions", backend, hidden_states):
+    if reference_only("pool_by_positions", backend, hidden_states, position_ids, padding_positions):
         return reference.pool_by_positions(*inputs)
     if through_dispatcher(hidden_states, position_ids, padding_positions):
         return _pool_by_positions_op(*inputs, backend)

@@ -3,7 +3,7 @@
 import torch
 
 from . import reference
-from ._dispatch import check_backend, dispatch, forward_ad_tangents, through_dispatcher
+from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
 from ._validation import check_position_ids_range, check_position_inputs
 
 
@@ -145,7 +145,7 @@ def position_embeddings(
     check_backend(backend)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
-    if forward_ad_tangents("position_embeddings", backend, table, residual):
+    if reference_only("position_embeddings", backend, table, position_ids, padding_positions, residual):
         return _reference(table, position_ids, padding_positions, residual)
     if through_dispatcher(table, position_ids, padding_positions, residual):
         return _position_embeddings_op(table, position_ids, padding_positions, residual, backend)

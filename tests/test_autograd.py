@@ -2,6 +2,7 @@
 and torch.compile(fullgraph=True)."""
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -258,6 +259,43 @@ def test_forward_mode_ad_carries_tangents(backend):
         assert_bit_identical(fwAD.unpack_dual(pooled).tangent, fwAD.unpack_dual(pooled).primal)  # linear: J h = f(h)
         with pytest.raises(RuntimeError, match=r"backend='triton': fused_vision.position_embeddings has no forward"):
             fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids, backend="triton")
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_torch_func_transforms_run_the_reference(backend):
+    """The registered ops' autograd has no torch.func support (pytorch/pytorch#168393): under grad,
+    jacrev and jvp the ops run the reference (warned once under "auto"): torch.func.grad equals the
+    gradient that autograd takes through the fused backward, and the Jacobian agrees with both grad and
+    jvp; backend="triton" refuses."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    pixels, weight, ptable, pids = make_inputs(2, 11, 48, 24, 20, torch.float32, torch.float32, 3)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
+    ops = {
+        "position_embeddings": (lambda t, b: fused_vision.position_embeddings(t, ids, backend=b), table),
+        "patch_embed": (lambda x, b: fused_vision.patch_embed(x, weight, ptable, pids, backend=b), pixels),
+        "pool_by_positions": (
+            lambda h, b: fused_vision.pool_by_positions(h, pool_ids, pool_padding, 4, backend=b)[0],
+            hidden_states,
+        ),
+    }
+    for name, (op, x) in ops.items():
+        cotangent = torch.randn_like(op(x, backend))
+        _dispatch._warn_once.cache_clear()
+        warned = pytest.warns(RuntimeWarning, match=f"{name}: torch.func transforms run the PyTorch reference")
+        with warned if backend == "auto" else contextlib.nullcontext():
+            grad = torch.func.grad(lambda a: (op(a, backend) * cotangent).sum())(x)
+        _, (expected,) = grads(lambda a: op(a, backend), [x], cotangent)
+        assert_close(grad, expected, rtol=1e-6, atol=1e-6, what=f"{name}: torch.func.grad")
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)
+            jacobian = torch.func.jacrev(lambda a: op(a, backend))(x)
+            _, tangent_out = torch.func.jvp(lambda a: op(a, backend), (x,), (cotangent.new_ones(()).expand_as(x),))
+        jacobian = jacobian.reshape(cotangent.numel(), x.numel())
+        assert_close(jacobian.T @ cotangent.flatten(), grad.flatten(), rtol=1e-5, atol=1e-5, what=f"{name}: jacrev")
+        assert_close(jacobian.sum(1), tangent_out.flatten(), rtol=1e-5, atol=1e-5, what=f"{name}: jvp")
+        with pytest.raises(RuntimeError, match=f"backend='triton': fused_vision.{name} has no torch.func support"):
+            torch.func.grad(lambda a: op(a, "triton").sum())(x)
 
 
 @pytest.mark.parametrize("tracing_mode", ["real", "fake"])
