@@ -312,6 +312,8 @@ def test_embedding_pooler_leaves_the_unpooled_path_and_errors_to_stock(embedding
         pooler(hidden, ids, padding, output_length=SEQ_LEN + 1)
     with pytest.raises(ValueError, match="Cannot pool"):
         pooler(hidden, ids, padding, output_length=SEQ_LEN // 2)
+    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler, so"):
+        apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -399,7 +401,9 @@ def test_apply_errors_name_the_problem(sgl, monkeypatch):
         apply_fused_vision_to_sglang_gemma4(backend="cuda")
     with pytest.raises(TypeError, match="Module"):
         apply_fused_vision_to_sglang_gemma4("encoder")
-    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder or Gemma4VisionPooler.*for transformers"):
+    wanted = {2: "Gemma4VisionPatchEmbedder or Gemma4VisionPooler",
+              3: "Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler"}[sglang_classes()]
+    with pytest.raises(ValueError, match=f"contains no {wanted}, so .*for transformers"):
         apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
     # transformers' patch, handed SGLang's tower, points to this one
     with pytest.raises(ValueError, match="SGLang model.*apply_fused_vision_to_sglang_gemma4"):
