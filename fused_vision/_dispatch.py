@@ -77,6 +77,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's and torch.func's tensors
 _grad_tracking = torch._C._functorch.is_gradtrackingtensor  # torch.func.grad's, jacrev's, jvp's, ...
+_functorch_transform = torch._C._functorch.peek_interpreter_stack  # None outside every torch.func transform
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -103,11 +104,12 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
     torch bug: pytorch/pytorch#168393; vmap alone takes the registered op), or forward-mode AD carries a
     tangent on one (the kernels would drop it silently). Warned once; with backend="triton" this raises
     instead."""
-    present = [t for t in tensors if t is not None]
-    # dynamo cannot trace the wrapper check: under torch.compile the registered op runs, as before
-    if not torch.compiler.is_compiling() and any(_grad_tracking(t) for t in present):
+    # The cheap global checks first: the tensors are looked at only inside a transform or a dual level.
+    # (dynamo cannot trace the wrapper check: under torch.compile the registered op runs, as before.)
+    in_transform = not torch.compiler.is_compiling() and _functorch_transform() is not None
+    if in_transform and any(t is not None and _grad_tracking(t) for t in tensors):
         missing, runs = "no torch.func support", "torch.func transforms run the PyTorch reference (pytorch/pytorch#168393)"
-    elif fwAD._current_level >= 0 and any(fwAD.unpack_dual(t).tangent is not None for t in present):
+    elif fwAD._current_level >= 0 and any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
         missing, runs = "no forward-mode AD", "forward-mode AD runs the PyTorch reference, which carries tangents"
     else:
         return False
