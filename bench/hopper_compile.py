@@ -164,13 +164,19 @@ def launches():
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
         _, (args, kwargs) = capture_launches(pooler_kernels, POOLER_KERNELS, call)
+        # Both roundings of the average: transformers' (rounded to the dtype) and EmbeddingGemma2's (fp32).
+        averages = ((True, ""), (False, ", fp32 average"))
         for variant, meta in tuned_launches(name(dtype), pooler_kernels.gpu_configs(dtype)):
-            yield "pool_by_positions", variant, pooler_kernels._pool_by_positions_kernel, args, kwargs | meta
+            for rounded, label in averages:
+                launch = kwargs | meta | {"ROUND_AVERAGE": rounded}
+                yield "pool_by_positions", variant + label, pooler_kernels._pool_by_positions_kernel, args, launch
 
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
         call = lambda: pooler_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
         _, (args, kwargs) = capture_launches(pooler_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call)
-        yield "pool_backward", name(dtype), pooler_kernels._hidden_states_grad_kernel, args, kwargs
+        for rounded, label in averages:
+            launch = kwargs | {"ROUND_AVERAGE": rounded}
+            yield "pool_backward", name(dtype) + label, pooler_kernels._hidden_states_grad_kernel, args, launch
 
         weight = torch.randn(HIDDEN, FEATURES).to(dtype)
         for pixel_dtype in (torch.float32, torch.bfloat16) if dtype == torch.bfloat16 else (torch.float32,):
