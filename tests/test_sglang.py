@@ -316,6 +316,20 @@ def test_embedding_pooler_leaves_the_unpooled_path_and_errors_to_stock(embedding
         apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
 
 
+def no_one_hot(*args, **kwargs):
+    raise AssertionError("F.one_hot ran inside a patched SGLang tower")
+
+
+def assert_soft_tokens_match_stock(fused, mask, stock, stock_mask, exact, what):
+    """An encoder's (soft tokens, mask) against stock's: the mask bit for bit, the tokens stock's in fp32
+    and no less accurate than stock's against the float64 twin's."""
+    assert_bit_identical(mask, stock_mask, f"{what}: pooler mask")
+    if stock.dtype == torch.float32:
+        assert_close(fused, stock, rtol=1e-5, atol=1e-5, what=what)
+    floor = 16 * 2**-24 if stock.dtype == torch.float32 else 2**-8
+    assert_as_accurate_as_stock(fused, stock, exact, floor=floor, ords=(2, float("inf")), what=what)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_embedding_gemma2_encoder_matches_stock_without_a_one_hot(sgl, embedding_pooler, monkeypatch, dtype):
     """SGLang's EmbeddingGemma2Model builds Gemma4VisionEncoder and swaps in its own pooler: patched at
@@ -326,10 +340,6 @@ def test_embedding_gemma2_encoder_matches_stock_without_a_one_hot(sgl, embedding
     with torch.no_grad():
         stock, stock_mask = encoder(pixels, ids)
         exact, _ = float64_twin(encoder)(pixels.double(), ids)
-
-        def no_one_hot(*args, **kwargs):
-            raise AssertionError("F.one_hot ran inside a patched SGLang tower")
-
         results = {}
         assert apply_fused_vision_to_sglang_gemma4() == 3
         with monkeypatch.context() as patch:
@@ -340,12 +350,8 @@ def test_embedding_gemma2_encoder_matches_stock_without_a_one_hot(sgl, embedding
         assert "fused_vision=pool_by_positions(backend=auto)" in repr(encoder.pooler)
         monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
         results["instance patch"] = encoder(pixels, ids)
-    floor = 16 * 2**-24 if dtype == torch.float32 else 2**-8
     for how, (fused, mask) in results.items():
-        assert_bit_identical(mask, stock_mask, f"{how}: pooler mask")
-        if dtype == torch.float32:
-            assert_close(fused, stock, rtol=1e-5, atol=1e-5, what=f"{how}: EmbeddingGemma2 soft tokens")
-        assert_as_accurate_as_stock(fused, stock, exact, floor=floor, ords=(2, float("inf")), what=how)
+        assert_soft_tokens_match_stock(fused, mask, stock, stock_mask, exact, f"{how}: EmbeddingGemma2 soft tokens")
 
 
 @pytest.mark.parametrize("standardize", [False, True], ids=["plain", "standardize"])
@@ -361,17 +367,9 @@ def test_encoder_forward_matches_stock_without_a_one_hot(sgl, monkeypatch, dtype
         exact, _ = float64_twin(encoder)(pixels.double(), ids)
         assert apply_fused_vision_to_sglang_gemma4() == sglang_classes()
         assert "fused_vision=patch_embed(backend=auto)" in repr(encoder.patch_embedder)
-
-        def no_one_hot(*args, **kwargs):
-            raise AssertionError("F.one_hot ran inside a patched SGLang tower")
-
         monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
         fused, mask = encoder(pixels, ids)
-    assert_bit_identical(mask, stock_mask, "pooler mask")
-    if dtype == torch.float32:
-        assert_close(fused, stock, rtol=1e-5, atol=1e-5, what="SGLang soft tokens")
-    floor = 16 * 2**-24 if dtype == torch.float32 else 2**-8
-    assert_as_accurate_as_stock(fused, stock, exact, floor=floor, ords=(2, float("inf")), what="SGLang soft tokens")
+    assert_soft_tokens_match_stock(fused, mask, stock, stock_mask, exact, "SGLang soft tokens")
 
 
 # ---- patching: instances, revert, errors, the plugin -------------------------------------------------------
