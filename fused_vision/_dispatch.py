@@ -78,6 +78,28 @@ _PLAIN_TENSOR_TYPES = (torch.Tensor, torch.nn.Parameter)
 _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's and torch.func's tensors
 _grad_tracking = torch._C._functorch.is_gradtrackingtensor  # torch.func.grad's, jacrev's, jvp's, ...
 _functorch_transform = torch._C._functorch.peek_interpreter_stack  # None outside every torch.func transform
+_functorch_unwrap = torch._C._functorch.get_unwrapped
+
+
+def every_item(tensor: torch.Tensor) -> torch.Tensor:
+    """The plain tensor beneath torch.func's wrappers, for the checks that read values.
+
+    Under ``vmap`` it holds every mapped item, so a whole-tensor max or any asks all of them at once,
+    and reading the answer is allowed (vmap refuses ``.item()`` on its own tensors). Elsewhere: ``tensor``.
+    """
+    while _functorch_wrapped(tensor):
+        tensor = _functorch_unwrap(tensor)
+    return tensor
+
+
+def _grad_tracked(tensor: torch.Tensor) -> bool:
+    """Whether a differentiating transform wraps ``tensor`` at any level: under grad(vmap(...)) a mapped
+    input's grad wrapper lies beneath vmap's."""
+    while _functorch_wrapped(tensor):
+        if _grad_tracking(tensor):
+            return True
+        tensor = _functorch_unwrap(tensor)
+    return False
 
 
 def _plain(t: torch.Tensor) -> bool:
@@ -107,7 +129,7 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
     # The cheap global checks first: the tensors are looked at only inside a transform or a dual level.
     # (dynamo cannot trace the wrapper check: under torch.compile the registered op runs, as before.)
     in_transform = not torch.compiler.is_compiling() and _functorch_transform() is not None
-    if in_transform and any(t is not None and _grad_tracking(t) for t in tensors):
+    if in_transform and any(t is not None and _grad_tracked(t) for t in tensors):
         missing, runs = "no torch.func support", "torch.func transforms run the PyTorch reference (pytorch/pytorch#168393)"
     elif fwAD._current_level >= 0 and any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
         missing, runs = "no forward-mode AD", "forward-mode AD runs the PyTorch reference, which carries tangents"

@@ -8,6 +8,8 @@ import os
 
 import torch
 
+from ._dispatch import every_item
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
@@ -62,7 +64,7 @@ def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> 
     One max reduction and one device-to-host sync (see id_checks_enabled)."""
     if position_ids.numel() == 0 or not id_checks_enabled(position_ids):
         return
-    high = position_ids.max().item()
+    high = every_item(position_ids).max().item()
     if high >= num_positions:
         raise ValueError(
             f"position_ids: expected values below {num_positions} (= position_embedding_size; "

@@ -9,6 +9,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._dispatch import every_item
 from ._validation import id_checks_enabled
 
 
@@ -144,17 +145,18 @@ def pool_by_positions(
     k = pooling_kernel_size(seq_len, output_length)
     slots = pooling_slots(position_ids, k)
     overflow = slots >= output_length
-    if id_checks_enabled(position_ids) and overflow.any():
+    if id_checks_enabled(position_ids) and every_item(overflow).any():
         raise slot_overflow_error(k, output_length)
     slots = slots.masked_fill(overflow, 0)  # unchecked: an address in range; the item is NaN below
+    # Out of place: vmap (per-sample gradients) refuses to scatter mapped items into a tensor that is not.
     sums = torch.zeros(batch, output_length, hidden, dtype=torch.float32, device=hidden_states.device)
-    sums.scatter_add_(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())
+    sums = sums.scatter_add(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())
     average = sums / (k * k)
     if round_average:
         average = average.to(hidden_states.dtype).float()
     pooled = average * hidden**0.5
     counts = torch.zeros(batch, output_length, dtype=torch.int32, device=hidden_states.device)
-    counts.scatter_add_(1, slots, torch.ones_like(slots, dtype=torch.int32))
+    counts = counts.scatter_add(1, slots, torch.ones_like(slots, dtype=torch.int32))
     return pooled.masked_fill(overflow.any(dim=-1)[:, None, None], float("nan")), counts > 0
 
 

@@ -298,6 +298,73 @@ def test_torch_func_transforms_run_the_reference(backend):
             torch.func.grad(lambda a: op(a, "triton").sum())(x)
 
 
+def _per_sample_cases():
+    """Each op as a model calls it on one item (a batch of 1), times a cotangent and summed: the loss, its
+    batched arguments, vmap's in_dims (None: shared) and the arguments it is differentiated in (shared
+    parameters; the pooler has none, so its item's hidden states). Items are padded differently, and an
+    id that is bad in one item."""
+    ids = torch.cat([make_ids(1, 11, 20, padded_tail=tail, half_padded=1) for tail in (0, 2, 5)]).to(DEVICE)
+    pixels, weight, table, _ = make_inputs(3, 11, 12, 8, 20, torch.float32, torch.float32, 0)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6), (6, 3)], 3, 4, 8, torch.float32)
+    bad_ids, bad_pool_ids = ids.clone(), pool_ids.clone()
+    bad_ids[1, 0, 0] = 20  # = P
+    bad_pool_ids[1, 0, 1] = 30  # a 3x3 block row past the 4 slots
+
+    def lookup(table, ids, cotangent, backend):
+        return (fused_vision.position_embeddings(table, ids[None], backend=backend) * cotangent).sum()
+
+    def embed(weight, table, pixels, ids, cotangent, backend):
+        return (fused_vision.patch_embed(pixels[None], weight, table, ids[None], backend=backend) * cotangent).sum()
+
+    def pool(hidden_states, ids, padding, cotangent, backend):
+        pooled, _ = fused_vision.pool_by_positions(hidden_states[None], ids[None], padding[None], 4, backend=backend)
+        return (pooled * cotangent).sum()
+
+    cotangent, pool_cotangent = torch.randn(3, 11, 8, device=DEVICE), torch.randn(3, 4, 8, device=DEVICE)
+    return {
+        "position_embeddings": (lookup, (table, ids, cotangent), (None, 0, 0), (0,), (1, bad_ids)),
+        "patch_embed": (embed, (weight, table, pixels, ids, cotangent), (None, None, 0, 0, 0), (0, 1), (3, bad_ids)),
+        "pool_by_positions": (
+            pool, (hidden_states, pool_ids, pool_padding, pool_cotangent), (0, 0, 0, 0), (0,), (1, bad_pool_ids)
+        ),
+    }
+
+
+def _item_grads(loss, args, in_dims, argnums, item, backend):
+    """Autograd through the op (its fused backward) on item ``item`` alone."""
+    args = [a[item] if dim == 0 else a for a, dim in zip(args, in_dims)]
+    leaves = [args[i].detach().clone().requires_grad_(True) for i in argnums]
+    for i, leaf in zip(argnums, leaves):
+        args[i] = leaf
+    loss(*args, backend).backward()
+    return [leaf.grad for leaf in leaves]
+
+
+@pytest.mark.filterwarnings("ignore:fused_vision.*torch.func transforms run the PyTorch reference")
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("op", ["position_embeddings", "patch_embed", "pool_by_positions"])
+def test_per_sample_gradients(op, backend):
+    """vmap(grad(...)), the per-sample gradients of DP-SGD training, equals autograd through the fused
+    backward item by item, and grad(vmap(...)) their sum; the id checks still read every mapped item."""
+    loss, args, in_dims, argnums, (bad_arg, bad_ids) = _per_sample_cases()[op]
+    per_sample = torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))(*args, backend)
+    for item in range(3):
+        expected = _item_grads(loss, args, in_dims, argnums, item, backend)
+        for i, actual, wanted in zip(argnums, per_sample, expected):
+            assert_close(actual[item], wanted, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, what=f"item {item}, arg {i}")
+
+    def batch_loss(*batched):
+        return torch.func.vmap(loss, in_dims=(*in_dims, None))(*batched, backend).sum()
+
+    summed = torch.func.grad(batch_loss, argnums)(*args)
+    for i, actual, items in zip(argnums, summed, per_sample):
+        wanted = items.sum(0) if in_dims[i] is None else items
+        assert_close(actual, wanted, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, what=f"grad(vmap), arg {i}")
+    bad_args = [bad_ids if i == bad_arg else a for i, a in enumerate(args)]
+    with pytest.raises(ValueError, match="position_ids: "):
+        torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))(*bad_args, backend)
+
+
 @pytest.mark.parametrize("tracing_mode", ["real", "fake"])
 def test_tracers_see_the_ops(tracing_mode):
     """Under a tracer (a dispatch mode; FakeTensors in fake mode) eager inference calls take the registered
