@@ -91,8 +91,13 @@ def slot_overflow_error(k: int, output_length: int) -> ValueError:
 
 
 def pooling_slots(position_ids: torch.Tensor, k: int) -> torch.Tensor:
-    """The output slot of every patch: k x k blocks of positions, numbered row-major over the item's width."""
-    clamped = position_ids.clamp(min=0).long()  # int32 ids past ~46,000 would wrap the slot numbers
+    """The output slot of every patch: k x k blocks of positions, numbered row-major over the item's width.
+
+    Each coordinate is clamped to k * L = N / k first: an id past it already puts its patch (or, an item at
+    least k wide, the item) beyond the L slots, so no verdict changes, and the products stay below L * L + L
+    instead of wrapping int64 into a slot that looks valid or negative."""
+    id_limit = position_ids.shape[-2] // k
+    clamped = position_ids.long().clamp(0, id_limit)  # long first: int32 ids past ~46,000 would wrap
     max_x = clamped[..., 0].amax(dim=-1, keepdim=True) + 1
     return clamped[..., 0] // k + (max_x // k) * (clamped[..., 1] // k)
 

@@ -2,7 +2,7 @@
 
 pooled[b, s] = round_hidden(sum_{n: slot(b, n) == s} hidden[b, n] / k^2) * sqrt(D)    (fp32 result;
                without round_hidden where ``round_average`` is False)
-slot(b, n)   = x // k + ((max_x(b) + 1) // k) * (y // k),   with (x, y) = clamp(position_ids[b, n], 0)
+slot(b, n)   = x // k + ((max_x(b) + 1) // k) * (y // k),   with (x, y) = clamp(position_ids[b, n], 0, N / k)
 
 Two launches:
 1. ``_patch_slots_kernel``, one program per item, writes each patch's slot as int32 (-1 for padding, whose
@@ -62,12 +62,14 @@ def _patch_slots_kernel(
     bounds_item = bounds_ptr + item * output_length * 2
     mask_item = mask_ptr + item * output_length
 
+    # Ids clamped to k * L = N / k, as in the reference's pooling_slots: no verdict changes, no int64 wraps.
+    id_limit = seq_len // k
     # The item's width in positions, then an empty span and mask for each of its slots.
     max_x = tl.zeros((BLOCK_N,), dtype=tl.int64)
     for n0 in range(0, seq_len, BLOCK_N):
         patches = n0 + tl.arange(0, BLOCK_N)
         x = tl.load(ids_item + patches * stride_ids_n, mask=patches < seq_len, other=0).to(tl.int64)
-        max_x = tl.maximum(max_x, x)
+        max_x = tl.maximum(max_x, tl.minimum(x, id_limit))
     slots_per_row = (tl.max(max_x, axis=0) + 1) // k
     for s0 in range(0, output_length, BLOCK_S):
         slots = s0 + tl.arange(0, BLOCK_S)
@@ -82,8 +84,8 @@ def _patch_slots_kernel(
         patches = n0 + tl.arange(0, BLOCK_N)
         patch_in = patches < seq_len
         ids_row = ids_item + patches * stride_ids_n
-        x = tl.maximum(tl.load(ids_row, mask=patch_in, other=0).to(tl.int64), 0)
-        y = tl.maximum(tl.load(ids_row + stride_ids_axis, mask=patch_in, other=0).to(tl.int64), 0)
+        x = tl.minimum(tl.maximum(tl.load(ids_row, mask=patch_in, other=0).to(tl.int64), 0), id_limit)
+        y = tl.minimum(tl.maximum(tl.load(ids_row + stride_ids_axis, mask=patch_in, other=0).to(tl.int64), 0), id_limit)
         slot = x // k + slots_per_row * (y // k)
         in_slots = patch_in & (slot < output_length)
         overflow += (patch_in & ~in_slots).to(tl.int32)

@@ -149,16 +149,36 @@ def test_positions_beyond_the_slots(backend):
         fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
 
 
+@pytest.mark.parametrize("checked", [True, False], ids=["checked", "unchecked"])
+@pytest.mark.parametrize(
+    "id_dtype,far_patches",
+    [
+        # int32: slot 46,341**2 >= 2**31 (slots are numbered in int64)
+        (torch.int32, [(2 * 46_341, 2 * 46_341)]),
+        # int64: x // k + (max_x + 1) // k * (y // k) = 10**9 + 2**39 * 2**24 wraps negative
+        (torch.int64, [(2**40 - 1, 0), (2 * 10**9, 2**25)]),
+    ],
+    ids=["int32_past_2_to_the_31", "int64_past_2_to_the_63"],
+)
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_int32_positions_whose_slot_passes_2_to_the_31(backend):
-    """Slots are numbered in int64: a lone int32 patch at (46,341, 46,341) needs slot 46,341**2 >= 2**31,
-    which must not wrap to a negative slot and slip past the check."""
-    hidden_states = torch.randn(1, 16, 8, device=DEVICE)
-    ids = torch.full((1, 16, 2), -1, dtype=torch.int32, device=DEVICE)
-    ids[0, 0] = 2 * 46_341
-    padding = (ids == -1).all(-1)
-    with pytest.raises(ValueError, match=r"position_ids: the 2x2 blocks of positions need more than output_length=4"):
-        fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
+def test_positions_whose_slot_arithmetic_would_wrap(monkeypatch, backend, id_dtype, far_patches, checked):
+    """Far ids must not wrap the slot number into one that looks valid or negative (a negative slot once
+    sent the kernel's atomics out of bounds): the check raises, or unchecked the item is NaN and the
+    other item untouched."""
+    if not checked:
+        monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
+    hidden_states, ids, padding = make_batch([(4, 4), (4, 4)], 2, 4, 8, torch.float32)
+    expected, _ = reference.onehot_pool_by_positions(hidden_states, ids, padding, 4)
+    ids = ids.to(id_dtype)
+    for patch, position in enumerate(far_patches):
+        ids[0, patch] = torch.tensor(position, dtype=id_dtype)
+    if checked:
+        with pytest.raises(ValueError, match=r"position_ids: the 2x2 blocks of positions need more than output_length=4"):
+            fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
+        return
+    pooled, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
+    assert pooled[0].isnan().all()
+    assert_close(pooled[1], expected[1], atol=1e-6 * 8**0.5, rtol=1e-6, what="the other item")
 
 
 @pytest.mark.parametrize(
