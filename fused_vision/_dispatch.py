@@ -170,6 +170,8 @@ def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, r
             return triton_fn(*args)
     except (ValueError, TypeError):  # the input's fault: the reference would raise it too
         raise
+    except torch.OutOfMemoryError:  # the device's state, not the kernel's: it runs again once memory frees
+        raise
     except Exception as exc:  # compile and launch errors of any kind
         if chosen == "triton":  # asked for by name: its errors are the caller's to see
             raise

@@ -73,6 +73,31 @@ def test_kernel_failure_falls_back_once_with_one_warning(monkeypatch):
         fused_vision.position_embeddings(table, ids, backend="triton")
 
 
+def test_out_of_memory_is_raised_and_leaves_the_kernel_enabled(monkeypatch):
+    """Running out of device memory is not the kernel's failure: the error reaches the caller (the
+    reference would need more memory still) and the next call runs the kernel again."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.delenv("FUSED_VISION_BACKEND", raising=False)
+    launch, calls = lookup_kernel.position_embeddings, []
+
+    def out_of_memory_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("simulated: CUDA out of memory")
+        return launch(*args, **kwargs)
+
+    monkeypatch.setattr(lookup_kernel, "position_embeddings", out_of_memory_once)
+    table = torch.randn(2, 16, 24, dtype=torch.bfloat16)
+    ids = torch.randint(-1, 16, (2, 9, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(torch.OutOfMemoryError, match="simulated"):
+            fused_vision.position_embeddings(table, ids)
+        out = fused_vision.position_embeddings(table, ids)
+    assert len(calls) == 2 and not _dispatch._failed
+    assert_bit_identical(out, onehot_position_embeddings(table, ids, default_padding_positions(ids)))
+
+
 def test_kernels_launch_on_their_tensors_device(monkeypatch):
     """Triton launches on the current device: a model spread over GPUs calls the ops with tensors on another
     one, so dispatch makes theirs current for the launch, and switches nothing when it already is."""
