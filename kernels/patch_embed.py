@@ -70,9 +70,12 @@ def _patch_embed_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < features
         pixels = tl.load(pixel_rows + ks[None, :] * stride_pixels_k, mask=row_in[:, None] & k_in[None, :], other=0.5)
-        # 2 * (p - 0.5) in the pixel dtype (the doubling is exact), then the cast to the weight dtype.
-        shifted = round_to(pixels.to(tl.float32) - 0.5, PIXEL_DTYPE).to(tl.float32)
-        a = round_to(2.0 * shifted, DTYPE)
+        # 2 * (p - 0.5) in the pixel dtype, then the cast to the weight dtype. The doubling is exact in fp32,
+        # and so in fp32 and bf16 (fp32's range); fp16's is narrower, and stock's doubling overflows to inf.
+        doubled = 2.0 * round_to(pixels.to(tl.float32) - 0.5, PIXEL_DTYPE).to(tl.float32)
+        if PIXEL_DTYPE == tl.float16:
+            doubled = doubled.to(tl.float16).to(tl.float32)
+        a = round_to(doubled, DTYPE)
         b = tl.load(weight_cols + ks[:, None] * stride_weight_k, mask=k_in[:, None] & col_in[None, :], other=0.0)
         if DOT_IN_FP32:  # the interpreter has no bf16 dot; bf16 values are exact in fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")

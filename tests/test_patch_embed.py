@@ -62,7 +62,7 @@ def test_matches_stock_and_is_as_accurate(poisoned, backend, pixel_dtype, dtype,
     assert_as_accurate_as_stock(actual, stock, exact, floor=1e-12)
 
 
-@pytest.mark.parametrize("pixel_dtype", [torch.float32, torch.bfloat16], ids=lambda d: "pixels_" + dtype_id(d))
+@pytest.mark.parametrize("pixel_dtype", FLOAT_DTYPES, ids=lambda d: "pixels_" + dtype_id(d))
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
 def test_bit_identical_to_stock_where_the_gemm_is_exact(poisoned, dtype, pixel_dtype):
     """Pixels on a 2**-6 grid and weights of 4 significant bits: every product and partial sum of the
@@ -75,6 +75,23 @@ def test_bit_identical_to_stock_where_the_gemm_is_exact(poisoned, dtype, pixel_d
     ids = make_ids(3, 37, 50, padded_tail=6, half_padded=2, generator=generator).to(DEVICE)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
     assert_bit_identical(actual, reference.patch_embed(pixels, weight, table, ids))
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_fp16_pixels_whose_prescale_overflows(poisoned, dtype):
+    """fp16 pixels are prescaled in fp16, as stock does: 2 * (32767 - 0.5) rounds to 65536 and 40000 goes
+    past fp16's range, so those rows are +-inf whatever the weight dtype, not their fp32 values. Positive
+    weights of 4 bits keep every sum exact and inf - inf out, so the whole output compares bit for bit."""
+    generator = torch.Generator().manual_seed(3)
+    pixels = torch.randint(0, 64, (2, 9, 48), generator=generator) / 64
+    pixels[0, 1, 5], pixels[0, 4, 0], pixels[1, 2, 47] = 32767.0, 40000.0, -40000.0
+    pixels = pixels.to(DEVICE, torch.float16)
+    weight = (torch.randint(1, 17, (33, 48), generator=generator) / 16).to(DEVICE, dtype)
+    table = torch.randn(2, 50, 33, generator=generator).to(DEVICE, dtype)
+    ids = make_ids(2, 9, 50, padded_tail=2, generator=generator).to(DEVICE)
+    expected = reference.patch_embed(pixels, weight, table, ids)
+    assert expected[0, 1].isposinf().all() and expected[1, 2].isneginf().all()
+    assert_bit_identical(fused_vision.patch_embed(pixels, weight, table, ids, backend="triton"), expected)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
