@@ -103,8 +103,9 @@ def _grad_tracked(tensor: torch.Tensor) -> bool:
 
 
 def _plain(t: torch.Tensor) -> bool:
-    """A tensor whose data a kernel can read: not a subclass, a transform's wrapper or a meta tensor."""
-    return type(t) in _PLAIN_TENSOR_TYPES and not t.is_meta and not _functorch_wrapped(t)
+    """A tensor whose data a kernel can read: not a subclass, a transform's wrapper, a meta tensor or a
+    lazily negated view (``x.conj().imag``, whose memory holds -x; the registered op resolves it)."""
+    return type(t) in _PLAIN_TENSOR_TYPES and not t.is_meta and not _functorch_wrapped(t) and not t.is_neg()
 
 
 def through_dispatcher(*tensors: torch.Tensor | None) -> bool:

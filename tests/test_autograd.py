@@ -455,6 +455,54 @@ def test_outputs_are_contiguous_whatever_the_inputs_strides(backend):
     torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, True, backend))
 
 
+def negated_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor equal to ``t`` whose memory holds ``-t``: the imaginary part of a conjugate (is_neg())."""
+    return torch.complex(torch.zeros_like(t), -t).conj().imag
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize(
+    "op,argument",
+    [
+        ("position_embeddings", "table"),
+        ("position_embeddings", "residual"),
+        ("patch_embed", "pixel_values"),
+        ("patch_embed", "weight"),
+        ("patch_embed", "table"),
+        ("pool_by_positions", "hidden_states"),
+    ],
+)
+def test_lazily_negated_inputs(op, argument, backend):
+    """x.conj().imag is a view whose memory holds -x: a kernel reading it raw would flip the sign. Such
+    inputs take the registered op, whose dispatcher resolves the negation first."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    pixels, weight, ptable, pids = make_inputs(2, 11, 12, 8, 20, torch.float32, torch.float32, 3)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
+    calls = {
+        "position_embeddings": (
+            fused_vision.position_embeddings,
+            dict(table=table, position_ids=ids, residual=torch.randn(2, 11, 8, device=DEVICE)),
+        ),
+        "patch_embed": (
+            fused_vision.patch_embed,
+            dict(pixel_values=pixels, weight=weight, table=ptable, position_ids=pids),
+        ),
+        "pool_by_positions": (
+            fused_vision.pool_by_positions,
+            dict(hidden_states=hidden_states, position_ids=pool_ids, padding_positions=pool_padding, output_length=4),
+        ),
+    }
+    fn, kwargs = calls[op]
+    negated = negated_view(kwargs[argument])
+    assert negated.is_neg() and torch.equal(negated, kwargs[argument])
+    with torch.no_grad():
+        expected = fn(**kwargs, backend=backend)
+        actual = fn(**{**kwargs, argument: negated}, backend=backend)
+    for a, e in zip(*(out if isinstance(out, tuple) else (out,) for out in (actual, expected))):
+        assert_bit_identical(a, e, what=f"{op} with a negated {argument}")
+
+
 def test_patch_embed_ignores_autocast_on_every_backend():
     """The op projects in the weight's dtype: under autocast the reference must not recast its linear, or
     the result would depend on the backend."""
