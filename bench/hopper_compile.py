@@ -18,7 +18,6 @@ Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
 import argparse
 import csv
 import io
-import os
 import re
 import sys
 from contextlib import ExitStack, redirect_stdout
@@ -34,6 +33,7 @@ from fused_vision import reference
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import pooler as pooler_kernels
 from fused_vision.kernels import position_embedding as lookup_kernels
+from fused_vision.kernels.common import interpreting
 
 HOPPER = GPUTarget("cuda", 90, 32)
 SHARED_MEMORY_PER_BLOCK = 232_448  # bytes one block may use on sm_90
@@ -192,7 +192,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write hopper_compile.csv here")
     args = parser.parse_args()
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if interpreting():
         sys.exit("hopper_compile: unset TRITON_INTERPRET; the interpreter's @triton.jit builds nothing to compile")
 
     rows, failed = [], False

@@ -1,8 +1,6 @@
 """Helpers shared by the kernels: dtype mapping, interpreter detection, launch configs, autotuning per
 operand dtype, rounding to the storage dtype (identical on GPUs and under TRITON_INTERPRET=1)."""
 
-import os
-
 import torch
 import triton
 import triton.language as tl
@@ -11,8 +9,9 @@ TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloa
 
 
 def interpreting() -> bool:
-    """Whether kernels run in Triton's CPU interpreter (which has no bf16 dot and truncating casts)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether kernels run in Triton's CPU interpreter (which has no bf16 dot and truncating casts):
+    TRITON_INTERPRET as Triton reads it (1, true, on or yes, in any case)."""
+    return triton.knobs.runtime.interpret
 
 
 def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]:

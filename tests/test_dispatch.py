@@ -20,11 +20,13 @@ def fresh_failures(monkeypatch):
     monkeypatch.setattr(_dispatch, "_failed", set())
 
 
-def test_auto_on_cpu_follows_the_interpreter(monkeypatch):
+@pytest.mark.parametrize("interpret,off", [("1", "0"), ("true", "false"), ("On", "off")])
+def test_auto_on_cpu_follows_the_interpreter(monkeypatch, interpret, off):
+    """TRITON_INTERPRET read as Triton reads it: where Triton interprets, so must the dispatch rule."""
     monkeypatch.delenv("FUSED_VISION_BACKEND", raising=False)
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
     assert _dispatch.resolve_backend("auto", CPU) == "auto"
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("TRITON_INTERPRET", off)
     assert _dispatch.resolve_backend("auto", CPU) == "reference"
     with pytest.raises(RuntimeError, match=r"backend='triton': Triton does not drive cpu tensors"):
         _dispatch.resolve_backend("triton", CPU)
