@@ -21,6 +21,8 @@ def _names(dtypes) -> str:
 def check_tensor(name: str, value, ndim: int, dtypes) -> None:
     if not isinstance(value, torch.Tensor):
         raise TypeError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")
+    if value.layout is not torch.strided:
+        raise TypeError(f"{name}: expected a dense (strided) tensor, got layout {value.layout}")
     if value.dim() != ndim:
         raise ValueError(f"{name}: expected {ndim} dimensions, got shape {tuple(value.shape)}")
     if value.dtype not in dtypes:
@@ -86,8 +88,8 @@ def check_ids_and_padding(position_ids: torch.Tensor, padding_positions: torch.T
 
 def check_table(table: torch.Tensor, dtypes=FLOAT_DTYPES) -> None:
     check_tensor("table", table, 3, dtypes)
-    if table.shape[0] != 2:
-        raise ValueError(f"table: expected shape (2, P, D), got {tuple(table.shape)}")
+    if table.shape[0] != 2 or table.shape[1] == 0:
+        raise ValueError(f"table: expected shape (2, P, D) with P >= 1, got {tuple(table.shape)}")
 
 
 def check_position_inputs(

@@ -33,9 +33,12 @@ def good():
         (lambda t, i: (t.long(), i), TypeError, r"table: expected dtype in \(float32, float16, bfloat16\)"),
         (lambda t, i: (t.double(), i), TypeError, r"table: expected dtype"),
         (lambda t, i: (t, i.tolist()), TypeError, r"position_ids: expected a torch.Tensor"),
+        (lambda t, i: (t[:, :0], i), ValueError, r"table: expected shape \(2, P, D\) with P >= 1, got \(2, 0, 8\)"),
+        (lambda t, i: (t.to_sparse(), i), TypeError, r"table: expected a dense \(strided\) tensor, got layout torch.sparse_coo"),
+        (lambda t, i: (t, i.to_sparse()), TypeError, r"position_ids: expected a dense \(strided\) tensor"),
     ],
     ids=["id_too_large", "float_ids", "last_dim_not_2", "ids_rank", "table_axes",
-         "table_rank", "integer_table", "float64_table", "ids_not_tensor"],
+         "table_rank", "integer_table", "float64_table", "ids_not_tensor", "empty_table", "sparse_table", "sparse_ids"],
 )
 def test_bad_table_or_ids(backend, change, error, pattern):
     table, ids = change(*good())
