@@ -14,6 +14,20 @@ def interpreting() -> bool:
     return triton.knobs.runtime.interpret
 
 
+def int32_inner_offsets(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy of it where the kernels' int32 index math would overflow.
+
+    The kernels index the leading dimension in int64 and multiply the indices of the others by their
+    strides in int32: exact while an item spans fewer than 2**31 elements, which a contiguous (B, N, D)
+    item does below N * D = 2**31 (1.9 M patches at D = 1152). A strided view can span more, such as a
+    transposed (N, B, D) over 2**31 elements; only such a view is copied.
+    """
+    if tensor.is_contiguous():
+        return tensor
+    span = sum((size - 1) * stride for size, stride in zip(tensor.shape[1:], tensor.stride()[1:]) if size)
+    return tensor if span < 2**31 else tensor.contiguous()
+
+
 def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]:
     """(BLOCK_ROWS, BLOCK_D, num_warps) for the kernels that gather rows into a (B, N, D) output.
 

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, autotune_per_dtype, configs, interpreting, round_to
+from .common import TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
 from .position_embedding import load_positions, position_embedding_tile
 
 
@@ -123,6 +123,7 @@ def patch_embed(
     padding_positions: torch.Tensor,
 ) -> torch.Tensor:
     """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor."""
+    pixel_values = int32_inner_offsets(pixel_values)
     batch, seq_len, features = pixel_values.shape
     hidden = weight.shape[0]
     out = torch.empty((batch, seq_len, hidden), dtype=weight.dtype, device=weight.device)

@@ -33,6 +33,7 @@ from .common import (
     autotune_per_dtype,
     configs,
     gather_launch_config,
+    int32_inner_offsets,
     interpreting,
     round_to,
 )
@@ -226,6 +227,7 @@ def patch_slots(
     each slot's first and last summed patch, (N, -1) when it has none; mask (B, L) bool: the slots any
     patch falls in; overflow (B,) int32: patches whose slot is >= L).
     """
+    position_ids, padding_positions = int32_inner_offsets(position_ids), int32_inner_offsets(padding_positions)
     batch, seq_len, _ = position_ids.shape
     device = position_ids.device
     codes = torch.empty((batch, seq_len), dtype=torch.int32, device=device)
@@ -269,6 +271,7 @@ def pool_by_positions(
     Returns (pooled fp32 (B, L, D), mask (B, L) bool, overflow (B,) int32: patches whose slot is >= L).
     Items with overflowing patches come out NaN.
     """
+    hidden_states = int32_inner_offsets(hidden_states)
     batch, seq_len, hidden = hidden_states.shape
     pooled = torch.empty((batch, output_length, hidden), dtype=torch.float32, device=hidden_states.device)
     codes, bounds, mask, overflow = patch_slots(position_ids, padding_positions, output_length, k)
@@ -316,6 +319,7 @@ def hidden_states_grad(
     """Launch the pooler's backward on validated inputs with N = k * k * L, k > 1: a new (B, N, D)
     tensor in ``hidden_dtype``, bit-identical to stock autograd's gradient (through a forward that
     rounds its averages where ``round_average``)."""
+    grad_pooled = int32_inner_offsets(grad_pooled)
     batch, output_length, hidden = grad_pooled.shape
     seq_len = position_ids.shape[1]
     grad_hidden = torch.empty((batch, seq_len, hidden), dtype=hidden_dtype, device=grad_pooled.device)

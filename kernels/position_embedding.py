@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, gather_launch_config, interpreting, round_to
+from .common import TORCH_TO_TL, gather_launch_config, int32_inner_offsets, interpreting, round_to
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def position_embeddings(
     block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
     # A null residual still needs a pointer argument; HAS_RESIDUAL keeps it from being read.
-    residual_arg = out if residual is None else residual
+    residual_arg = out if residual is None else int32_inner_offsets(residual)
     _position_embedding_kernel[grid](
         table,
         position_ids,
@@ -215,6 +215,7 @@ def table_grad(
     grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
 ) -> torch.Tensor:
     """The fp32 (2, P, D) gradient of the lookup's table; the order of the atomic adds is not fixed."""
+    grad = int32_inner_offsets(grad)
     batch, seq_len, hidden = grad.shape
     acc = torch.zeros((2, num_positions, hidden), dtype=torch.float32, device=grad.device)
     num_rows = batch * seq_len

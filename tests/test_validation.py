@@ -127,3 +127,22 @@ def test_unchecked_bad_ids_turn_rows_nan_not_faults(poisoned, monkeypatch, bad_i
     rows = torch.ones(2, 5, dtype=torch.bool)
     rows[1, 2] = False
     assert_bit_identical(out[rows], expected[rows], "the rows with good ids")
+
+
+def test_kernels_copy_the_strided_views_their_int32_offsets_cannot_reach():
+    """The launchers index inner dimensions in int32: a view whose items span 2**31 elements or more is
+    made contiguous first; any other tensor, however large its leading dimension, is passed as it is.
+    Meta tensors: strides without memory."""
+    from fused_vision.kernels.common import int32_inner_offsets
+
+    def meta(shape, stride):
+        return torch.empty_strided(shape, stride, dtype=torch.bfloat16, device="meta")
+
+    large_contiguous = meta((800, 2520, 1152), (2520 * 1152, 1152, 1))  # 2.3e9 elements
+    every_other_item = meta((400, 2520, 1152), (2 * 2520 * 1152, 1152, 1))
+    small_transposed = meta((8, 2520, 1152), (1152, 8 * 1152, 1))
+    large_transposed = meta((800, 2520, 1152), (1152, 800 * 1152, 1))
+    for kept in (large_contiguous, every_other_item, small_transposed):
+        assert int32_inner_offsets(kept) is kept
+    copied = int32_inner_offsets(large_transposed)
+    assert copied.is_contiguous() and copied.shape == large_transposed.shape
