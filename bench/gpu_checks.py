@@ -30,7 +30,7 @@ from unittest import mock
 import torch
 
 import fused_vision
-from fused_vision import reference
+from fused_vision import _dispatch, reference
 
 P = 10240
 # Real sizes: image 32 x 280 soft tokens (N = 2520) at the 26B/31B width. --smoke shrinks them.
@@ -277,6 +277,10 @@ def main():
         except Exception as exc:  # a compile or out-of-memory error fails this check, not the ones after it
             traceback.print_exc()
             results.append(dict(check=check.__name__, error=f"{type(exc).__name__}: {exc}", ok=False))
+        if _dispatch._failed:  # backend "auto" ran the reference: its results say nothing of the kernels
+            fell_back = ", ".join(f"{op} on {device_type}" for op, device_type in sorted(_dispatch._failed))
+            results.append(dict(check=f"{check.__name__}_ran_the_kernels", error=f"'auto' fell back: {fell_back}", ok=False))
+            _dispatch._failed.clear()  # the next check runs the kernels again
         print(f"{check.__name__}: {time.perf_counter() - start:.1f} s", flush=True)
         for row in results[done:]:
             print(("PASS " if row["ok"] else "FAIL ") + json.dumps(row), flush=True)

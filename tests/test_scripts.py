@@ -26,6 +26,32 @@ def test_gpu_checks_smoke(tmp_path):
     assert len(report["results"]) == 14 and all(row["ok"] for row in report["results"])
 
 
+def test_gpu_checks_fail_where_auto_falls_back_to_the_reference(tmp_path):
+    """Two checks call the ops with backend "auto", as the patched model does: if a kernel fails there the
+    reference runs and can pass the check, so the script must report the fallback and fail."""
+    broken_lookup = (
+        "import runpy, sys\n"
+        "from fused_vision.kernels import position_embedding\n"
+        "def broken(*args, **kwargs):\n"
+        "    raise RuntimeError('simulated launch failure')\n"
+        "position_embedding.position_embeddings = broken\n"
+        f"sys.argv = ['gpu_checks.py', '--smoke', '--out', {str(tmp_path)!r}]\n"
+        f"runpy.run_path({str(ROOT / 'bench' / 'gpu_checks.py')!r}, run_name='__main__')\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", broken_lookup],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stdout + result.stderr
+    rows = {row["check"]: row for row in json.loads((tmp_path / "gpu_checks.json").read_text())["results"]}
+    for check in ("check_no_sync_where_syncs_are_forbidden", "check_cuda_graph_replay"):
+        row = rows[f"{check}_ran_the_kernels"]
+        assert not row["ok"] and "position_embeddings on cpu" in row["error"], row
+
+
 def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
     """bench/hopper_compile.py: each kernel at its GPU launch configs, built for sm_90a with Triton's own
     ptxas, within shared memory and without register spills."""

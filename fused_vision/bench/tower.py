@@ -96,7 +96,8 @@ def use_provider(model: torch.nn.Module, provider: str) -> None:
             from fused_vision.gemma4 import apply_fused_vision_to_gemma4
         except ImportError as exc:
             raise Unsupported(f"fused_vision.gemma4 is not available ({exc})") from exc
-        if apply_fused_vision_to_gemma4(model) == 0:
+        # backend="triton": a kernel that fails raises, rather than have "auto" time the reference as fused.
+        if apply_fused_vision_to_gemma4(model, backend="triton") == 0:
             raise Unsupported("apply_fused_vision_to_gemma4 patched no module of this tower")
         return
     if not hasattr(type(embedder), "_position_embeddings"):
