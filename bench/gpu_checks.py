@@ -250,6 +250,8 @@ def main():
         sys.exit("gpu_checks: needs a CUDA device (or --smoke)")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
+    # The fp32 references must not run on TF32, which an environment can switch on.
+    torch.set_float32_matmul_precision("highest")
     results = []
     checks = (
         check_lookup_real_shape,
@@ -266,6 +268,7 @@ def main():
         device=torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
         torch=torch.__version__,
         fused_vision=fused_vision.__version__,
+        float32_matmul_precision=torch.get_float32_matmul_precision(),
     )
     for check in checks:
         start, done = time.perf_counter(), len(results)

@@ -37,8 +37,8 @@ PROVIDERS = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
 COMPILED_FIRST = ("patch_embed", "lookup")  # then the other ops with a compiled provider
 DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, SPEC section 5's measurements
 TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
-# The H200 run must end within 5 minutes: this leaves ~90 s for start-up, the task running at the deadline
-# (a compile can take 20 s) and the reports.
+# The whole comparison must end within 5 minutes on an H200 (issue #7): this leaves ~90 s for start-up,
+# the task running at the deadline (a compile can take 20 s) and the reports.
 DEFAULT_TIME_BUDGET_S = 210.0
 
 
