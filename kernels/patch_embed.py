@@ -21,7 +21,7 @@ from .common import TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offset
 from .position_embedding import load_positions, position_embedding_tile
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows_bucket"])
 def _patch_embed_kernel(
     pixels_ptr,
     weight_ptr,
@@ -30,6 +30,7 @@ def _patch_embed_kernel(
     padding_ptr,
     out_ptr,
     num_rows,
+    rows_bucket,  # the autotuner's key only
     seq_len,
     features,
     hidden,
@@ -98,12 +99,13 @@ def _patch_embed_kernel(
 # Each fits sm_90's shared memory without register spills on Triton 3.5 to 3.9 (bench/hopper_compile.py
 # checks): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not spend
 # (256x128x32 on 8 warps spills from Triton 3.8 on), and fp32 weights (ieee dots, as stock's fp32
-# linear) need smaller tiles still. Tuned per (D, K, dtypes): the row count varies per call and does
-# not change the best tile much.
+# linear) need smaller tiles still. Tuned per (D, K, dtypes) and per power of two of the row count:
+# how well a tile's programs fill the SMs follows the rows (one 280-patch image makes 3 row tiles of
+# 128), and a new bucket re-times the compiled candidates rather than compiling any.
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
     _patch_embed_kernel,
-    key=["hidden", "features"],
+    key=["hidden", "features", "rows_bucket"],
     dtype_of="weight_ptr",
     half=configs(
         _TILE,
@@ -138,6 +140,7 @@ def patch_embed(
         padding_positions.view(torch.uint8),
         out,
         num_rows,
+        triton.next_power_of_2(num_rows),
         seq_len,
         features,
         hidden,

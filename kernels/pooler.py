@@ -101,7 +101,7 @@ def _patch_slots_kernel(
     tl.store(overflow_ptr + item, tl.sum(overflow, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["items_bucket"])
 def _pool_by_positions_kernel(
     hidden_ptr,
     codes_ptr,
@@ -111,6 +111,7 @@ def _pool_by_positions_kernel(
     seq_len,
     hidden,
     output_length,
+    items_bucket,  # the autotuner's key only
     inv_k_squared,
     scale,
     stride_hidden_b,
@@ -206,12 +207,13 @@ def _hidden_states_grad_kernel(
 
 
 # Each fits sm_90 without register spills (bench/hopper_compile.py checks); fp32 hidden states take
-# ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype): the slots per
-# item set how many programs share an item, and the best tile follows.
+# ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype) and per power of
+# two of the item count: the slots per item set how many programs share an item, the items how many
+# programs fill the SMs, and the best tile follows both.
 _TILE = ("BLOCK_S", "BLOCK_N", "BLOCK_D")
 _pool_by_positions_tuned, gpu_configs = autotune_per_dtype(
     _pool_by_positions_kernel,
-    key=["hidden", "output_length"],
+    key=["hidden", "output_length", "items_bucket"],
     dtype_of="hidden_ptr",
     half=configs(_TILE, [(64, 64, 128, 4, 3), (64, 64, 256, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3)]),
     fp32=configs(_TILE, [(64, 64, 64, 4, 2), (64, 64, 128, 8, 2), (32, 64, 128, 4, 2)]),
@@ -286,6 +288,7 @@ def pool_by_positions(
         seq_len,
         hidden,
         output_length,
+        triton.next_power_of_2(batch),
         1.0 / (k * k),
         math.sqrt(hidden),
         *hidden_states.stride(),

@@ -90,6 +90,41 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
     assert_matches_stock(actual, pixels, weight, table, ids)
 
 
+def _embed(batch, seq_len):
+    pixels, weight, table, ids = make_inputs(batch, seq_len, 96, 144, 30, torch.float16, torch.float32, 5)
+    return fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
+
+
+def _pool(items):
+    hidden_states, ids, padding = make_batch([(6, 6)] * items, 3, 4, 40, torch.float16)
+    return fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend="triton")[0]
+
+
+@pytest.mark.parametrize(
+    "module,tuner,calls",
+    [
+        # 300, 400 and 600 rows: buckets 512, 512, 1024
+        (patch_embed_kernels, "_patch_embed_tuned", [lambda: _embed(2, 150), lambda: _embed(2, 200), lambda: _embed(3, 200)]),
+        # 2, 3 and 4 items: buckets 2, 4, 4
+        (pooler_kernels, "_pool_by_positions_tuned", [lambda: _pool(2), lambda: _pool(3), lambda: _pool(4)]),
+    ],
+    ids=["patch_embed_rows", "pooler_items"],
+)
+def test_autotuners_tune_once_per_power_of_two_of_the_rows_or_items(gpu_tiles, monkeypatch, module, tuner, calls):
+    """How well a tile's programs fill the SMs follows the rows (embedder) or the items (pooler), so each
+    autotuner keys on their power of two: a new bucket is tuned afresh, a size inside a tuned one is not.
+    The timings are stubbed (autotuning needs a GPU); the chosen config then runs in the interpreter."""
+    tuner = getattr(module, tuner)
+    monkeypatch.setattr(tuner, "cache", {})
+    monkeypatch.setattr(tuner, "_bench", lambda *args, config, **kwargs: [1.0, 1.0, 1.0])
+    tuned_keys = []
+    for call in calls:
+        assert call().isfinite().all()
+        tuned_keys.append(len(tuner.cache))
+    expected = [1, 1, 2] if module is patch_embed_kernels else [1, 2, 2]
+    assert tuned_keys == expected, f"keys tuned after each call: {tuned_keys}, expected {expected}"
+
+
 @pytest.mark.parametrize(
     "module,tuner,pointer",
     [
