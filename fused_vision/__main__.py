@@ -1,6 +1,7 @@
 """``python -m fused_vision`` and the ``fused-vision`` console script."""
 
 import argparse
+import math
 import shlex
 import sys
 from datetime import datetime, timezone
@@ -21,6 +22,8 @@ def _name_list(choices: tuple[str, ...], groups: dict[str, tuple[str, ...]]):
             if name not in choices and name not in groups:
                 raise argparse.ArgumentTypeError(f"{name!r}: expected one of {', '.join((*choices, *groups))}")
             names += groups.get(name, (name,))
+        if not names:
+            raise argparse.ArgumentTypeError(f"{text!r}: expected at least one of {', '.join((*choices, *groups))}")
         return tuple(dict.fromkeys(names))
 
     return parse
@@ -35,15 +38,33 @@ def _case_list(text: str) -> tuple[Case, ...]:
 
 def _int_list(text: str) -> tuple[int, ...]:
     try:
-        return tuple(int(part) for part in text.split(","))
+        values = tuple(int(part) for part in text.split(","))
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated integers, e.g. 768,1152") from None
+        values = ()
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected comma-separated positive integers, e.g. 768,1152")
+    return values
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value >= 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a number of seconds, 0 or more")
+    return value
+
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 def _device(text: str) -> torch.device:
     device = torch.device(text)
     if device.type not in ("cuda", "cpu"):
         raise argparse.ArgumentTypeError(f"{text!r}: the bench runs on cuda or cpu")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: this torch sees no CUDA device")
     return device
 
 
@@ -70,12 +91,18 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated <image|video>_<items>x<soft tokens>, e.g. video_32x70,image_8x280 (towers too)",
     )
     bench.add_argument("--hidden", type=_int_list, help="comma-separated widths D of the stem ops (default 1152)")
+    bench.add_argument(
+        "--dtype",
+        choices=DTYPES,
+        help="weights and activations (default: bfloat16 on a GPU, Gemma 4's checkpoints; float32 on a CPU, "
+        "which may emulate bf16 matmuls); pixels stay float32, the low-memory scenario bfloat16",
+    )
     bench.add_argument("--out", type=Path, help="results folder (default: fused_vision_bench/<UTC time>-<device>)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions per measurement")
     bench.add_argument("--tiny", action="store_true", help="tiny shapes and one-layer towers: checks that all runs")
     bench.add_argument(
         "--time-budget",
-        type=float,
+        type=_seconds,
         default=DEFAULT_TIME_BUDGET_S,
         metavar="SECONDS",
         help="start nothing new this long after the start; compiled providers run last, so they go first "
@@ -85,9 +112,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or Path("fused_vision_bench") / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{device.type}"
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.error(f"--out {out}: {exc.strerror or exc}")
     # python -m, the console script and bench/run.py all come here: record the canonical form.
     command = "python -m fused_vision " + shlex.join(sys.argv[1:] if argv is None else argv)
     options = Options(
@@ -97,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         providers=args.providers,
         cases=args.cases,
         hidden_sizes=args.hidden,
+        dtype=DTYPES.get(args.dtype),
         quick=args.quick,
         tiny=args.tiny,
         time_budget_s=args.time_budget or None,

@@ -115,7 +115,8 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
         cases=GPU_CASES,
         hidden_sizes=(768, 1152),
     )
-    runner.run_sections(runner.Session(options, runner.Log(tmp_path / "log.txt"), 0), runner.Plan.of(options))
+    plan = runner.Plan.of(options)
+    runner.run_sections(runner.Session(options, runner.Log(tmp_path / "log.txt"), plan), plan)
     assert sections == [
         (("onehot", "fused"), ("lookup", "patch_embed", "pooler")),
         "tower_e2b_e4b",
@@ -187,13 +188,39 @@ def test_sigint_mid_run_writes_the_reports(tmp_path):
     assert "**Interrupted** after" in (out / "results.md").read_text()
 
 
+def test_the_dtype_follows_the_device_unless_given(tmp_path):
+    """bf16 on a GPU (the checkpoints'); fp32 on a CPU, which may emulate bf16 matmuls 50x slower."""
+    def plan(device, dtype=None):
+        return runner.Plan.of(runner.Options(device=torch.device(device), out=tmp_path, dtype=dtype)).dtype
+
+    assert plan("cuda") == torch.bfloat16 and plan("cpu") == torch.float32
+    assert plan("cpu", torch.float16) == torch.float16 and plan("cuda", torch.float32) == torch.float32
+    out = run_cli(tmp_path, "--ops", "lookup", "--providers", "embedding", "--dtype", "float16")
+    _, rows = read_csv(out / "results.csv")
+    assert [(row["op"], row["dtype"]) for row in rows] == [("copy", "float32"), ("matmul", "float16"), ("lookup", "float16")]
+
+
 def test_bad_arguments_are_usage_errors(capsys):
-    bad = (["--ops", "lookup,nope"], ["--providers", "onehot,magic"], ["--cases", "image_8"], ["--device", "meta"])
-    for args in bad:
+    bad = {
+        ("--ops", "lookup,nope"): "'nope': expected one of",
+        ("--providers", "onehot,magic"): "'magic': expected one of",
+        ("--providers", ","): "',': expected at least one of",
+        ("--ops", ""): "'': expected at least one of",
+        ("--cases", "image_8"): "image_<items>x<soft tokens>",
+        ("--device", "meta"): "'meta': the bench runs on cuda or cpu",
+        ("--hidden", "0"): "'0': expected comma-separated positive integers",
+        ("--hidden", "768,-8"): "'768,-8': expected comma-separated positive integers",
+        ("--time-budget", "-1"): "'-1': expected a number of seconds, 0 or more",
+        ("--time-budget", "nan"): "'nan': expected a number of seconds",
+        ("--out", "/dev/null/results"): "--out /dev/null/results: Not a directory",
+    }
+    if not torch.cuda.is_available():
+        bad["--device", "cuda"] = "'cuda': this torch sees no CUDA device"
+    for args, message in bad.items():
         with pytest.raises(SystemExit) as exit_info:
             main(["bench", *args])
         assert exit_info.value.code == 2
-    assert "image_<items>x<soft tokens>" in capsys.readouterr().err
+        assert message in capsys.readouterr().err, args
 
 
 def test_module_entry_point():
@@ -272,7 +299,7 @@ def test_issue_goals_are_judged_from_the_rows():
     assert found["patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused"].extra_bytes == 100
 
     summary = report.goal_summary(targets.verdicts(rows))
-    assert summary.startswith("issue #5's goals at image_32x280, D=1152: 3 of 6 met; not met: ")
+    assert summary.startswith("issue #5's goals at image_32x280, D=1152, bfloat16: 3 of 6 met; not met: ")
     assert "patch_embed faster than compiled (fused)" in summary
     unjudged = "pooler ≥ 10× faster than onehot, pooler peak beyond inputs and output < 1 MiB"
     assert summary.endswith(f"; not judged (a row missing): {unjudged}"), "the pooler ran at another case only"
@@ -280,4 +307,6 @@ def test_issue_goals_are_judged_from_the_rows():
     pooler = "| pooler ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms |"
     assert pooler + " yes |" in lines
     elsewhere = report.goal_summary(targets.verdicts(rows[5:7]))
-    assert elsewhere.endswith("not judged, this run has no fused row with its baseline at image_32x280, D=1152")
+    assert elsewhere.endswith("not judged, this run has no fused row with its baseline at image_32x280, D=1152, bfloat16")
+    in_float32 = report.goal_summary(targets.verdicts([row | dict(dtype="float32") for row in rows]))
+    assert "not judged" in in_float32, "a float32 run does not count for the bf16 goals"

@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .measure import Ceiling
-from .targets import GOALS, ISSUE_CASE, ISSUE_HIDDEN, Verdict, verdicts
+from .targets import GOALS, ISSUE_CASE, ISSUE_DTYPE, ISSUE_HIDDEN, Verdict, verdicts
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
@@ -179,7 +179,7 @@ def low_memory_table(rows: list[dict]) -> list[str]:
 def goal_summary(found: list[Verdict]) -> str:
     """How many of #5's goals its own case met, which not, and which the run could not judge there."""
     at_case = [verdict for verdict in found if verdict.at_issue_case]
-    where = f"{ISSUE_CASE}, D={ISSUE_HIDDEN}"
+    where = f"{ISSUE_CASE}, D={ISSUE_HIDDEN}, {ISSUE_DTYPE}"
     if not at_case:
         return f"issue #5's goals: not judged, this run has no fused row with its baseline at {where}"
     missed = [f"{verdict.goal} ({verdict.provider})" for verdict in at_case if not verdict.met]

@@ -28,8 +28,6 @@ from .targets import ISSUE_CASE, ISSUE_HIDDEN, verdicts
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory
 from .workloads import CPU_CASES, GPU_CASES, GPU_TOWER_CASES, TINY_CASES, Case
 
-DTYPE = torch.bfloat16  # Gemma 4's checkpoints; pixels stay float32, as the processors emit them
-DTYPE_NAME = str(DTYPE).removeprefix("torch.")
 TOWER_OPS = tuple(VISION_TOWERS)
 OPS = (*STEM_OPS, *TOWER_OPS, "low_memory")
 OP_GROUPS = {"stem": tuple(STEM_OPS), "tower": TOWER_OPS}
@@ -52,6 +50,7 @@ class Options:
     providers: tuple[str, ...] | None = None
     cases: tuple[Case, ...] | None = None
     hidden_sizes: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
     quick: bool = False
     tiny: bool = False
     time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
@@ -62,9 +61,11 @@ class Options:
 class Plan:
     """What a run does: the options, with the device's defaults where they leave a choice open.
 
-    GPUs run everything at SPEC's shapes. CPUs run the stem ops' one-hot and F.embedding code at small
-    shapes: compiles take minutes there, and Triton runs on a CPU only in its interpreter, whose times
-    mean nothing.
+    GPUs run everything at SPEC's shapes in bf16 (Gemma 4's checkpoints; pixels stay float32, as the
+    processors emit them). CPUs run the stem ops' one-hot and F.embedding code at small shapes in fp32:
+    compiles take minutes there, Triton runs on a CPU only in its interpreter, whose times mean nothing,
+    and a CPU without bf16 matmul instructions emulates them (one bf16 one-hot lookup at video_2x70 took
+    15 s on a 2-core x86, 50x its fp32 time).
     """
 
     ops: tuple[str, ...]
@@ -72,6 +73,7 @@ class Plan:
     stem_cases: tuple[Case, ...]
     tower_cases: tuple[Case, ...]
     hidden_sizes: tuple[int, ...]
+    dtype: torch.dtype
 
     @classmethod
     def of(cls, options: Options) -> "Plan":
@@ -82,6 +84,7 @@ class Plan:
             stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
             tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES[:1]),
             hidden_sizes=options.hidden_sizes or ((TINY_HIDDEN,) if tiny else (DEFAULT_HIDDEN,)),
+            dtype=options.dtype or (torch.bfloat16 if on_gpu else torch.float32),
         )
 
     @property
@@ -151,8 +154,9 @@ class Log:
 class Session:
     """What every measurement shares: options, ceilings, the log, progress, and the rows so far."""
 
-    def __init__(self, options: Options, log: Log, total_tasks: int):
-        self.options, self.log, self.total_tasks = options, log, total_tasks
+    def __init__(self, options: Options, log: Log, plan: Plan):
+        self.options, self.log, self.total_tasks = options, log, plan.task_count()
+        self.dtype, self.dtype_name = plan.dtype, str(plan.dtype).removeprefix("torch.")
         self.started = time.monotonic()
         self.date = datetime.now(timezone.utc)
         self.environment = environment(options.device)
@@ -164,7 +168,6 @@ class Session:
         self.failed_sections: list[str] = []
         self.interrupted = False
         self.tasks_done = 0
-        self.dtype_name = DTYPE_NAME
         self.copy: Ceiling | None = None
         self.matmul: Ceiling | None = None
 
@@ -227,7 +230,7 @@ class Session:
             B=case.items,
             N=case.patches_per_item,
             D=hidden,
-            dtype=DTYPE_NAME,
+            dtype=self.dtype_name,
             ms_p50=times.p50,
             ms_p20=times.p20,
             ms_p80=times.p80,
@@ -259,12 +262,12 @@ class Session:
         matmul_size = 256 if tiny else 8192 if on_gpu else 1024
         self.log("measuring the ceilings: a device copy and a matmul")
         self.copy = copy_ceiling(device, copy_elements, self.stem_budget)
-        self.matmul = matmul_ceiling(device, matmul_size, DTYPE, self.stem_budget)
-        for ceiling, dtype in ((self.copy, "float32"), (self.matmul, DTYPE_NAME)):
+        self.matmul = matmul_ceiling(device, matmul_size, self.dtype, self.stem_budget)
+        for ceiling, dtype in ((self.copy, "float32"), (self.matmul, self.dtype_name)):
             self.rows.append(report.ceiling_row(ceiling, dtype) | self.environment)
         self.log(
             f"  copy {report.significant(self.copy.gbps)} GB/s (read + write, {self.copy.case}); "
-            f"matmul {report.significant(self.matmul.tflops)} TFLOP/s ({self.matmul.case}, {DTYPE_NAME})"
+            f"matmul {report.significant(self.matmul.tflops)} TFLOP/s ({self.matmul.case}, {self.dtype_name})"
         )
 
     def guarded(self, section: str, fn: Callable, *args) -> None:
@@ -289,7 +292,7 @@ def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...
             for case in stem_cases:
                 torch.manual_seed(0)
                 try:
-                    bench = op(case, hidden, DTYPE, device)
+                    bench = op(case, hidden, session.dtype, device)
                 except Exception as exc:
                     for provider in chosen:
                         session.skip(name, provider, case, hidden, exc)
@@ -339,7 +342,7 @@ def run(options: Options) -> Path:
     log = Log(options.out / "log.txt")
     sigint_ignored, sigint_handler = False, None  # while the reports of an interrupted run are written
     try:
-        session = Session(options, log, plan.task_count())
+        session = Session(options, log, plan)
         env = session.environment
         log(
             f"fused_vision bench on {env['gpu']}: torch {env['torch']}, triton {env['triton'] or '-'}, "
@@ -349,7 +352,7 @@ def run(options: Options) -> Path:
             f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)}; "
             f"cases {', '.join(case.name for case in plan.stem_cases)} "
             f"(towers: {', '.join(case.name for case in plan.tower_cases)}); "
-            f"D {', '.join(map(str, plan.hidden_sizes))}; results in {options.out}"
+            f"D {', '.join(map(str, plan.hidden_sizes))}; {session.dtype_name}; results in {options.out}"
         )
         session.measure_ceilings()
         try:

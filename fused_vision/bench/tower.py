@@ -1,7 +1,7 @@
 """Gemma 4's whole vision tower with random weights, in its one-hot, F.embedding and fused forms, and the
 low-memory scenario behind vLLM's encoder chunk planner.
 
-The tower is transformers' ``Gemma4VisionModel`` (bf16, sdpa) from the installed release. Its patch
+The tower is transformers' ``Gemma4VisionModel`` (the run's dtype, sdpa) from the installed release. Its patch
 embedder's ``_position_embeddings`` is swapped for the one-hot (5.5-5.9) or the F.embedding (5.10+)
 reference, so both eras run on any transformers 5.5+; the pooler is stock's one-hot in every release.
 The fused form is ``fused_vision.gemma4.apply_fused_vision_to_gemma4(model)``; it runs last, on the
@@ -59,6 +59,7 @@ TOWER_PROVIDERS = ("onehot", "embedding", "fused")  # fused last: its patch stay
 EMULATED_TOTAL_BYTES = 22 * GiB
 EMULATED_FREE_BYTES = 3 * GiB
 LOW_MEMORY_TOWER = "tower_26b_31b"
+LOW_MEMORY_DTYPE = torch.bfloat16  # the checkpoints' dtype, which vLLM's budget is set for
 LOW_MEMORY_WORKLOADS = dict(
     zip(cases("image_64x280", "video_128x70"), ("64 images x 280 tokens", "4 videos x 32 frames x 70 tokens"))
 )
@@ -69,8 +70,8 @@ def tower_shape(name: str, *, tiny: bool) -> dict:
     return {**VISION_TOWERS[name], **(TINY_TOWER if tiny else {})}
 
 
-def build_tower(name: str, device: torch.device, *, tiny: bool) -> torch.nn.Module:
-    """A bf16 sdpa ``Gemma4VisionModel`` with random weights, built on ``device``, without autograd."""
+def build_tower(name: str, device: torch.device, dtype: torch.dtype, *, tiny: bool) -> torch.nn.Module:
+    """An sdpa ``Gemma4VisionModel`` in ``dtype`` with random weights, built on ``device``, without autograd."""
     from transformers import Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionModel
 
@@ -81,7 +82,7 @@ def build_tower(name: str, device: torch.device, *, tiny: bool) -> torch.nn.Modu
         position_embedding_size=POSITION_EMBEDDING_SIZE,
     )
     with torch.device(device):
-        model = Gemma4VisionModel._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = Gemma4VisionModel._from_config(config, dtype=dtype, attn_implementation="sdpa")
     # Stock initialises the table to ones; random rows keep the lookup's output honest.
     torch.nn.init.normal_(model.patch_embedder.position_embedding_table)
     return model.eval().requires_grad_(False)
@@ -128,9 +129,9 @@ def bench_tower(session, name: str, providers: tuple[str, ...], tower_cases: tup
             for case in tower_cases:
                 session.skip(name, provider, case, hidden, reason)
 
-    session.log(f"{name}: building the tower (random weights, bf16, sdpa)")
+    session.log(f"{name}: building the tower (random weights, {session.dtype_name}, sdpa)")
     try:
-        model = build_tower(name, device, tiny=tiny)
+        model = build_tower(name, device, session.dtype, tiny=tiny)
     except Exception as exc:
         return skip_all(providers, exc)
     inputs = {case: tower_inputs(case, device) for case in tower_cases}
@@ -233,7 +234,7 @@ def planned_chunk(path: str, case: Case, vision_config) -> int:
         path="fused",
         free_bytes=EMULATED_FREE_BYTES,
         total_bytes=EMULATED_TOTAL_BYTES,
-        dtype=torch.bfloat16,
+        dtype=LOW_MEMORY_DTYPE,
     )
 
 
@@ -258,7 +259,7 @@ def run_low_memory(session) -> None:
         f"with {EMULATED_FREE_BYTES / GiB:.0f} GiB free"
     )
     try:
-        model = build_tower(LOW_MEMORY_TOWER, device, tiny=tiny)
+        model = build_tower(LOW_MEMORY_TOWER, device, LOW_MEMORY_DTYPE, tiny=tiny)
     except Exception as exc:
         return skip_all(LOW_MEMORY_PATHS, exc)
     # On the device before the ballast: the planner budgets the tower's working memory, not its inputs.
