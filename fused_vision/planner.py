@@ -176,7 +176,15 @@ def device_memory(device: torch.device | str | int) -> tuple[int, int]:
     limit (a container's) when it has one. Any other accelerator (HPU, an out-of-tree NPU, ...):
     ``torch.accelerator.get_memory_info`` where this torch has it (2.10+).
     """
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except RuntimeError as exc:  # an index where this machine has no accelerator
+        raise ValueError(f"device: {device!r} names no device here ({exc}); pass free_bytes and total_bytes") from None
+    available = {"cuda": torch.cuda.is_available, "xpu": torch.xpu.is_available, "mps": torch.backends.mps.is_available}
+    if device.type in available and not available[device.type]():
+        raise ValueError(
+            f"device: this torch sees no {device.type} device; pass free_bytes and total_bytes to plan for another machine"
+        )
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     elif device.type == "xpu":

@@ -148,6 +148,7 @@ def test_plan_without_memory_gives_one(free):
 
 
 def test_plan_queries_the_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GiB, 22 * GiB))
     assert plan(1000, IMAGE, TOWER_26B_31B, device="cuda") == 16
     chunk = plan(4, FRAME, TOWER_26B_31B, device="cpu")
@@ -156,6 +157,7 @@ def test_plan_queries_the_device(monkeypatch):
 
 def test_plan_defaults_to_the_current_accelerator(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "current_accelerator", lambda *a, **k: torch.device("cuda"))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (3 * GiB, 22 * GiB))
     assert plan(1000, FRAME, TOWER_26B_31B) == 67
 
@@ -393,6 +395,7 @@ def test_cpu_memory_without_proc_meminfo(monkeypatch):
 
 def test_cuda_memory(monkeypatch):
     asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: asked.append(device) or (5, 9))
     assert device_memory("cuda:1") == (5, 9)
     assert asked == [torch.device("cuda:1")]
@@ -401,6 +404,7 @@ def test_cuda_memory(monkeypatch):
 def test_xpu_memory_asks_xpu_only(monkeypatch):
     asked = []
     monkeypatch.setattr(torch.cuda, "mem_get_info", _no_cuda)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: True)
     monkeypatch.setattr(torch.xpu, "mem_get_info", lambda device=None: asked.append(device) or (2 * GiB, 64 * GiB))
     assert device_memory("xpu:0") == (2 * GiB, 64 * GiB)
     assert asked == [torch.device("xpu:0")]
@@ -411,12 +415,26 @@ def test_xpu_memory_asks_xpu_only(monkeypatch):
 
 def test_mps_memory_asks_mps_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "mem_get_info", _no_cuda)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * GiB)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 4 * GiB)
     assert device_memory("mps") == (12 * GiB, 16 * GiB)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 20 * GiB)  # over the recommendation
     assert device_memory("mps") == (0, 16 * GiB)
     assert plan(8, FRAME, TOWER_26B_31B, device="mps") == 1
+
+
+@pytest.mark.parametrize("device", ["cuda", "xpu", "mps"])
+def test_a_device_this_torch_cannot_see_is_named(monkeypatch, device):
+    """Not a backend's own AssertionError: the argument, and the way out (free_bytes and total_bytes)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.xpu, "is_available", lambda: False)
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: False)
+    pattern = f"device: this torch sees no {device} device; pass free_bytes and total_bytes"
+    with pytest.raises(ValueError, match=pattern):
+        device_memory(device)
+    with pytest.raises(ValueError, match=pattern):
+        plan(8, FRAME, TOWER_26B_31B, device=device)
 
 
 def test_other_accelerators_through_torch_accelerator(monkeypatch):
@@ -432,6 +450,7 @@ def test_other_accelerators_through_torch_accelerator(monkeypatch):
 
 def test_mps_prices_sdpa_as_eager(monkeypatch):
     """MPS's SDPA builds the (N, N) scores that CUDA's fused kernels never hold."""
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
     monkeypatch.setattr(torch.mps, "recommended_max_memory", lambda: 16 * GiB)
     monkeypatch.setattr(torch.mps, "driver_allocated_memory", lambda: 0)
     memory = dict(free_bytes=16 * GiB, total_bytes=16 * GiB)
