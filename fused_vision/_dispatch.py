@@ -68,8 +68,9 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return requested
     if requested == "triton":
         why = "triton is not installed" if not triton_importable() else f"Triton does not drive {device.type} tensors"
+        asked = "backend='triton'" if backend == "triton" else f"{ENV_BACKEND}=triton"
         raise RuntimeError(
-            f"backend='triton': {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
+            f"{asked}: {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
         )
     return "reference"
 

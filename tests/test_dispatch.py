@@ -44,6 +44,10 @@ def test_environment_overrides_auto_only(monkeypatch, forced):
     monkeypatch.setenv("FUSED_VISION_BACKEND", forced)
     assert _dispatch.resolve_backend("auto", CPU) == forced
     assert _dispatch.resolve_backend("reference", CPU) == "reference"
+    if forced == "triton":  # where Triton cannot run, the error names the variable, not an argument never passed
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match=r"^FUSED_VISION_BACKEND=triton: Triton does not drive cpu tensors"):
+            _dispatch.resolve_backend("auto", CPU)
 
 
 def test_bad_environment_value(monkeypatch):
