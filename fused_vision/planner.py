@@ -123,7 +123,7 @@ def plan(
     if free_bytes is not None and device is not None:
         raise ValueError("device: pass either a device or free_bytes and total_bytes, not both")
     if free_bytes is None:
-        device = torch.device(device) if device is not None else _current_device()
+        device = _visible_device(device) if device is not None else _current_device()
     if device is not None and device.type == "mps" and _attention(vision_config, attn_implementation) == "sdpa":
         attn_implementation = "eager"
     cost = extra + transient_bytes_per_item(
@@ -167,15 +167,8 @@ def transient_bytes_per_item(
     return fused
 
 
-def device_memory(device: torch.device | str | int) -> tuple[int, int]:
-    """(free_bytes, total_bytes) of ``device``, asked of its own backend.
-
-    CUDA and ROCm (whose devices are "cuda" too): ``torch.cuda.mem_get_info``. XPU: ``torch.xpu.mem_get_info``.
-    MPS: Metal's recommended working-set size as the total, less what the Metal driver holds for this
-    process. CPU: available and total RAM from the operating system, within the process's cgroup memory
-    limit (a container's) when it has one. Any other accelerator (HPU, an out-of-tree NPU, ...):
-    ``torch.accelerator.get_memory_info`` where this torch has it (2.10+).
-    """
+def _visible_device(device: torch.device | str | int) -> torch.device:
+    """``torch.device(device)``, which must name a device this torch can see."""
     try:
         device = torch.device(device)
     except RuntimeError as exc:  # an index where this machine has no accelerator
@@ -185,6 +178,19 @@ def device_memory(device: torch.device | str | int) -> tuple[int, int]:
         raise ValueError(
             f"device: this torch sees no {device.type} device; pass free_bytes and total_bytes to plan for another machine"
         )
+    return device
+
+
+def device_memory(device: torch.device | str | int) -> tuple[int, int]:
+    """(free_bytes, total_bytes) of ``device``, asked of its own backend.
+
+    CUDA and ROCm (whose devices are "cuda" too): ``torch.cuda.mem_get_info``. XPU: ``torch.xpu.mem_get_info``.
+    MPS: Metal's recommended working-set size as the total, less what the Metal driver holds for this
+    process. CPU: available and total RAM from the operating system, within the process's cgroup memory
+    limit (a container's) when it has one. Any other accelerator (HPU, an out-of-tree NPU, ...):
+    ``torch.accelerator.get_memory_info`` where this torch has it (2.10+).
+    """
+    device = _visible_device(device)
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
     elif device.type == "xpu":

@@ -437,6 +437,16 @@ def test_a_device_this_torch_cannot_see_is_named(monkeypatch, device):
         plan(8, FRAME, TOWER_26B_31B, device=device)
 
 
+def test_a_device_index_without_an_accelerator_is_named(monkeypatch):
+    def no_accelerator(index):
+        raise RuntimeError("Cannot access accelerator device when none is available.")
+
+    monkeypatch.setattr(torch, "device", no_accelerator)
+    for call in (lambda: device_memory(0), lambda: plan(8, FRAME, TOWER_26B_31B, device=0)):
+        with pytest.raises(ValueError, match=r"device: 0 names no device here .*pass free_bytes and total_bytes"):
+            call()
+
+
 def test_other_accelerators_through_torch_accelerator(monkeypatch):
     if not hasattr(torch.accelerator, "get_memory_info"):
         pytest.skip("torch.accelerator.get_memory_info is torch 2.10+")
