@@ -202,7 +202,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attn_implementation")
     default_out = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "out")
-    parser.add_argument("--out", type=Path, default=Path(default_out), help="results directory (default: $OUT)")
+    parser.add_argument("--out", type=Path, default=Path(default_out), help="results directory (default: $OUT, else bench/out)")
     return parser.parse_args(argv)
 
 

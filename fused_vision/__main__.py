@@ -75,8 +75,9 @@ def _parser() -> argparse.ArgumentParser:
         "bench",
         help="benchmark fused_vision against the one-hot and its peers on this device",
         description="Benchmark fused_vision against the one-hot and its peers. Writes results.csv, "
-        "low_memory.csv, results.md, time.png, memory.png and log.txt to --out. Defaults: on a GPU, everything "
-        "at SPEC's shapes; on a CPU, the stem ops' onehot and embedding providers at small shapes.",
+        "low_memory.csv, results.md, time.png, memory.png (CUDA only) and log.txt to --out. Defaults: on a GPU, "
+        "everything at SPEC's shapes in bf16; on a CPU, the stem ops' onehot and embedding providers at small "
+        "shapes in fp32.",
     )
     bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
     bench.add_argument(
@@ -99,7 +100,12 @@ def _parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--out", type=Path, help="results folder (default: fused_vision_bench/<UTC time>-<device>)")
     bench.add_argument("--quick", action="store_true", help="fewer repetitions per measurement")
-    bench.add_argument("--tiny", action="store_true", help="tiny shapes and one-layer towers: checks that all runs")
+    bench.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny shapes and one-layer towers, to check that the bench runs (with the device's default ops "
+        "and providers unless --ops or --providers say otherwise)",
+    )
     bench.add_argument(
         "--time-budget",
         type=_seconds,
