@@ -127,10 +127,11 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
 
 
 def test_time_budget_skips_what_would_start_late(tmp_path):
-    out = run_cli(tmp_path, "--ops", "lookup,pooler", "--time-budget", "1e-9")
+    out = run_cli(tmp_path, "--ops", "lookup,pooler,tower_e2b_e4b", "--time-budget", "1e-9")
     _, rows = read_csv(out / "results.csv")
     assert {row["op"] for row in rows} == {"copy", "matmul"}
     assert "past the time budget" in (out / "results.md").read_text()
+    assert "building the tower" not in (out / "log.txt").read_text(), "no tower is built once out of time"
 
 
 def test_a_failing_section_still_writes_the_other_results(tmp_path, monkeypatch):

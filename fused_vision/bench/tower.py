@@ -129,6 +129,8 @@ def bench_tower(session, name: str, providers: tuple[str, ...], tower_cases: tup
             for case in tower_cases:
                 session.skip(name, provider, case, hidden, reason)
 
+    if session.out_of_time():  # before building it: a 26B/31B tower takes seconds to initialise
+        return skip_all(providers, session.time_budget_reason())
     session.log(f"{name}: building the tower (random weights, {session.dtype_name}, sdpa)")
     try:
         model = build_tower(name, device, session.dtype, tiny=tiny)
@@ -250,6 +252,8 @@ def run_low_memory(session) -> None:
 
     if device.type != "cuda":
         return skip_all(LOW_MEMORY_PATHS, "needs a CUDA device (the emulation caps CUDA's caching allocator)")
+    if session.out_of_time():
+        return skip_all(LOW_MEMORY_PATHS, session.time_budget_reason())
     try:
         import fused_vision.planner  # noqa: F401
     except ImportError as exc:

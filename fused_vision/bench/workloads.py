@@ -57,7 +57,8 @@ def cases(*names: str) -> tuple[Case, ...]:
 GPU_CASES = cases("video_32x70", "image_8x280", "image_32x280", "image_8x1120")
 # The towers at the two 20,160-patch cases only: a tower call costs ~100x a stem op.
 GPU_TOWER_CASES = GPU_CASES[:2]
-# The one-hot lookup costs ~0.25 ms per patch on a CPU core: 1,260 and 2,520 patches keep a run near a minute.
+# The fp32 one-hot lookup costs ~0.9 ms per patch on a 2-core x86 (1,082 ms at video_2x70): 1,260 and 2,520
+# patches keep the default CPU run near a minute (69 s there).
 CPU_CASES = cases("video_2x70", "image_1x280")
 # --tiny: a smoke run that exercises every code path in seconds, the Triton interpreter included.
 TINY_CASES = cases("image_2x4")
