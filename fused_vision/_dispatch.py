@@ -4,7 +4,8 @@ backend="auto" picks Triton for CUDA/ROCm/XPU tensors, or for CPU tensors when T
 and the reference otherwise; FUSED_VISION_BACKEND ("triton" or "reference") overrides "auto".
 Under "auto", a Triton compile or launch failure warns once and sends that op on that device type to
 the reference from then on, so a broken toolchain costs one failed compile, not one per call.
-Input errors (ValueError, TypeError) are never swallowed by the fallback.
+Input errors (ValueError, TypeError) and running out of memory (torch.OutOfMemoryError) are never
+swallowed by the fallback.
 """
 
 import contextlib
@@ -59,6 +60,11 @@ def _requested(backend: str) -> str:
     return forced
 
 
+def _named(backend: str) -> str:
+    """How the caller asked for Triton: the argument, or the environment variable under "auto"."""
+    return "backend='triton'" if backend == "triton" else f"{ENV_BACKEND}=triton"
+
+
 def resolve_backend(backend: str, device: torch.device) -> str:
     """The backend a call will use: "triton", "reference", or "auto" (Triton, falling back on failure)."""
     requested = _requested(backend)
@@ -68,9 +74,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
         return requested
     if requested == "triton":
         why = "triton is not installed" if not triton_importable() else f"Triton does not drive {device.type} tensors"
-        asked = "backend='triton'" if backend == "triton" else f"{ENV_BACKEND}=triton"
         raise RuntimeError(
-            f"{asked}: {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
+            f"{_named(backend)}: {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
         )
     return "reference"
 
@@ -139,7 +144,7 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
         return False
     requested = _requested(backend)
     if requested == "triton":
-        raise RuntimeError(f"backend='triton': fused_vision.{op} has {missing}; use backend='reference'")
+        raise RuntimeError(f"{_named(backend)}: fused_vision.{op} has {missing}; use backend='reference'")
     if requested == "auto":
         _warn_once(f"fused_vision.{op}: {runs}")
     return True

@@ -93,9 +93,10 @@ def slot_overflow_error(k: int, output_length: int) -> ValueError:
 def pooling_slots(position_ids: torch.Tensor, k: int) -> torch.Tensor:
     """The output slot of every patch: k x k blocks of positions, numbered row-major over the item's width.
 
-    Each coordinate is clamped to k * L = N / k first: an id past it already puts its patch (or, an item at
-    least k wide, the item) beyond the L slots, so no verdict changes, and the products stay below L * L + L
-    instead of wrapping int64 into a slot that looks valid or negative."""
+    For N = k * k * L, each coordinate is clamped to k * L = N / k first: an id past it already puts its
+    patch (or, in an item at least k wide, the item) beyond the L slots, so no slot and no verdict changes,
+    and the products stay at most L * L + L instead of wrapping int64 into a slot that looks valid or
+    negative (stock's own formula wraps there)."""
     id_limit = position_ids.shape[-2] // k
     clamped = position_ids.long().clamp(0, id_limit)  # long first: int32 ids past ~46,000 would wrap
     max_x = clamped[..., 0].amax(dim=-1, keepdim=True) + 1
@@ -109,7 +110,8 @@ def onehot_pool_by_positions(
     output_length: int,
     round_average: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Gemma4VisionPooler.forward`` as transformers ships it: a (B, N, L) fp32 one-hot matmul.
+    """``Gemma4VisionPooler.forward`` as transformers ships it: a (B, N, L) fp32 one-hot matmul (its slots
+    from ``pooling_slots``, equal to stock's wherever stock's int64 arithmetic does not wrap).
 
     Returns the pooled features scaled by sqrt(D) in fp32 (as transformers 5.10+; 5.5-5.9 return them
     in the hidden dtype, i.e. this result cast back) and the mask of filled slots. When N == L stock
