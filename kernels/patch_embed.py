@@ -125,7 +125,7 @@ def patch_embed(
     padding_positions: torch.Tensor,
 ) -> torch.Tensor:
     """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor."""
-    pixel_values = int32_inner_offsets(pixel_values)
+    pixel_values, weight, table = map(int32_inner_offsets, (pixel_values, weight, table))
     batch, seq_len, features = pixel_values.shape
     hidden = weight.shape[0]
     out = torch.empty((batch, seq_len, hidden), dtype=weight.dtype, device=weight.device)

@@ -134,6 +134,7 @@ def position_embeddings(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the lookup on already-validated inputs; returns a new contiguous (B, N, D) tensor."""
+    table = int32_inner_offsets(table)
     batch, seq_len, _ = position_ids.shape
     _, num_positions, hidden = table.shape
     out = torch.empty((batch, seq_len, hidden), dtype=table.dtype, device=table.device)

@@ -146,3 +146,45 @@ def test_kernels_copy_the_strided_views_their_int32_offsets_cannot_reach():
         assert int32_inner_offsets(kept) is kept
     copied = int32_inner_offsets(large_transposed)
     assert copied.is_contiguous() and copied.shape == large_transposed.shape
+
+
+def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
+    """Each launcher passes every tensor whose inner indices its kernel multiplies in int32 through
+    int32_inner_offsets (the test above checks the helper itself)."""
+    from fused_vision.kernels import patch_embed as patch_embed_kernels
+    from fused_vision.kernels import pooler as pooler_kernels
+    from fused_vision.kernels import position_embedding as lookup_kernels
+
+    guarded = []
+
+    def record(tensor):
+        guarded.append(tensor)
+        return tensor
+
+    for module in (lookup_kernels, pooler_kernels, patch_embed_kernels):
+        monkeypatch.setattr(module, "int32_inner_offsets", record)
+    table, ids = good()
+    padding = default_padding_positions(ids)
+    rows = torch.randn(2, 5, 8, device=DEVICE)
+    pixels, weight = torch.rand(2, 5, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
+    pool_ids = torch.stack(torch.meshgrid(torch.arange(2), torch.arange(2), indexing="xy"), -1).reshape(1, 4, 2)
+    pool_ids, pool_padding = pool_ids.to(DEVICE), torch.zeros(1, 4, dtype=torch.bool, device=DEVICE)
+    hidden_states, grad_pooled = torch.randn(1, 4, 8, device=DEVICE), torch.randn(1, 1, 8, device=DEVICE)
+    launches = {
+        "position_embeddings": (lambda: lookup_kernels.position_embeddings(table, ids, padding, rows), [table, rows]),
+        "table_grad": (lambda: lookup_kernels.table_grad(rows, ids, padding, 20), [rows]),
+        "patch_embed": (lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding), [pixels, weight, table]),
+        "pool_by_positions": (
+            lambda: pooler_kernels.pool_by_positions(hidden_states, pool_ids, pool_padding, 1, 2),
+            [hidden_states, pool_ids, pool_padding],
+        ),
+        "hidden_states_grad": (
+            lambda: pooler_kernels.hidden_states_grad(grad_pooled, pool_ids, pool_padding, 2, torch.float32),
+            [grad_pooled, pool_ids, pool_padding],
+        ),
+    }
+    for name, (launch, tensors) in launches.items():
+        guarded.clear()
+        launch()
+        missed = [i for i, tensor in enumerate(tensors) if not any(tensor is seen for seen in guarded)]
+        assert not missed, f"{name}: arguments {missed} reach the kernel unguarded"
