@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
+from .common import TORCH_TO_TL, TunedBuckets, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
 from .position_embedding import load_positions, position_embedding_tile
 
 
@@ -101,7 +101,8 @@ def _patch_embed_kernel(
 # (256x128x32 on 8 warps spills from Triton 3.8 on), and fp32 weights (ieee dots, as stock's fp32
 # linear) need smaller tiles still. Tuned per (D, K, dtypes) and per power of two of the row count:
 # how well a tile's programs fill the SMs follows the rows (one 280-patch image makes 3 row tiles of
-# 128), and a new bucket re-times the compiled candidates rather than compiling any.
+# 128), and a new bucket re-times the compiled candidates rather than compiling any (where that timing's
+# sync is not allowed, TunedBuckets reuses the nearest tuned bucket).
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
     _patch_embed_kernel,
@@ -117,14 +118,20 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
 )
 
 
+_ROW_BUCKETS = TunedBuckets()
+
+
 def patch_embed(
     pixel_values: torch.Tensor,
     weight: torch.Tensor,
     table: torch.Tensor,
     position_ids: torch.Tensor,
     padding_positions: torch.Tensor,
+    *,
+    may_tune: bool = True,
 ) -> torch.Tensor:
-    """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor."""
+    """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor.
+    ``may_tune=False``: time no autotune candidates (it synchronises) where a tuned row bucket can serve."""
     pixel_values, weight, table = map(int32_inner_offsets, (pixel_values, weight, table))
     batch, seq_len, features = pixel_values.shape
     hidden = weight.shape[0]
@@ -140,7 +147,9 @@ def patch_embed(
         padding_positions.view(torch.uint8),
         out,
         num_rows,
-        triton.next_power_of_2(num_rows),
+        _ROW_BUCKETS.choose(
+            num_rows, (hidden, features, pixel_values.dtype, weight.dtype, position_ids.dtype), may_tune=may_tune
+        ),
         seq_len,
         features,
         hidden,
