@@ -71,8 +71,9 @@ def _patch_embed_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < features
         pixels = tl.load(pixel_rows + ks[None, :] * stride_pixels_k, mask=row_in[:, None] & k_in[None, :], other=0.5)
-        # 2 * (p - 0.5) in the pixel dtype, then the cast to the weight dtype. The doubling is exact in fp32,
-        # and so in fp32 and bf16 (fp32's range); fp16's is narrower, and stock's doubling overflows to inf.
+        # 2 * (p - 0.5) in the pixel dtype, then the cast to the weight dtype. Doubling in fp32 is exact and
+        # matches stock's doubling in fp32 and bf16 (fp32's range); fp16's range is narrower, where stock's
+        # doubling can overflow to inf, so it is rounded to fp16 again.
         doubled = 2.0 * round_to(pixels.to(tl.float32) - 0.5, PIXEL_DTYPE).to(tl.float32)
         if PIXEL_DTYPE == tl.float16:
             doubled = doubled.to(tl.float16).to(tl.float32)

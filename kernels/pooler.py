@@ -30,9 +30,9 @@ import triton.language as tl
 
 from .common import (
     TORCH_TO_TL,
+    TunedBuckets,
     autotune_per_dtype,
     configs,
-    TunedBuckets,
     gather_launch_config,
     int32_inner_offsets,
     interpreting,
