@@ -77,17 +77,14 @@ def capture_launches(module, attributes: tuple[str, ...], call) -> list[tuple[tu
 
 def compile_for_hopper(kernel, args: tuple, kwargs: dict):
     """Compile as the JIT would for these arguments: ints equal to 1 become constants, pointers and
-    values divisible by 16 are marked so, ints named in do_not_specialize are neither. Returns the
-    compiled kernel and its ptxas -v log."""
+    values divisible by 16 are marked so. Returns the compiled kernel and its ptxas -v log."""
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
     values = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
         value = values[name]
-        if name in kernel.do_not_specialize or index in kernel.do_not_specialize:
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
-        elif index in kernel.constexprs or (type(value) is int and value == 1):
+        if index in kernel.constexprs or (type(value) is int and value == 1):
             signature[name], constants[(index,)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
             signature[name] = POINTER_TYPES[value.dtype]

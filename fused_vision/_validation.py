@@ -45,23 +45,20 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 ENV_CHECK_IDS = "FUSED_VISION_CHECK_IDS"
 
 
-def syncs_allowed(tensor: torch.Tensor) -> bool:
-    """Whether the ops may synchronise ``tensor``'s device: not while a CUDA graph is being captured (a
-    sync would break the capture), nor while ``torch.cuda.set_sync_debug_mode`` is armed (vLLM's
-    VLLM_GPU_SYNC_CHECK arms it and fails on a sync outside the regions it allows, which leave out the
-    patch embedder). Both the id checks and the autotuners' timing stand down then."""
-    if not tensor.is_cuda:
+def id_checks_enabled(position_ids: torch.Tensor) -> bool:
+    """Whether to run the checks that read the ids and so synchronise the device.
+
+    Not where a sync is unwanted: while a CUDA graph is being captured (a sync would break the capture),
+    while ``torch.cuda.set_sync_debug_mode`` is armed (vLLM's VLLM_GPU_SYNC_CHECK arms it and fails on
+    a sync outside the regions it allows, which leave out the patch embedder), or when
+    FUSED_VISION_CHECK_IDS=0. The Triton kernels then write NaN where bad ids would have led them
+    astray (a row's lookup, an item's pooled slots) instead of reading out of bounds or dropping patches.
+    """
+    if os.environ.get(ENV_CHECK_IDS) == "0":
+        return False
+    if not position_ids.is_cuda:
         return True
     return not (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode())
-
-
-def id_checks_enabled(position_ids: torch.Tensor) -> bool:
-    """Whether to run the checks that read the ids and so synchronise the device: where syncs are
-    allowed (``syncs_allowed``), unless FUSED_VISION_CHECK_IDS=0. Otherwise the Triton kernels write NaN
-    where bad ids would have led them astray (a row's lookup, an item's pooled slots) instead of reading
-    out of bounds or dropping patches.
-    """
-    return os.environ.get(ENV_CHECK_IDS) != "0" and syncs_allowed(position_ids)
 
 
 def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:

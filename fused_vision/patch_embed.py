@@ -6,14 +6,14 @@ import torch
 
 from . import reference
 from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from ._validation import check_patch_embed_inputs, check_position_ids_range, syncs_allowed
+from ._validation import check_patch_embed_inputs, check_position_ids_range
 from .position_embedding import table_grad
 
 
 def _triton(pixel_values, weight, table, position_ids, padding_positions):
     from .kernels.patch_embed import patch_embed as launch
 
-    out = launch(pixel_values, weight, table, position_ids, padding_positions, may_tune=syncs_allowed(weight))
+    out = launch(pixel_values, weight, table, position_ids, padding_positions)
     # Checked after the launch, which bad ids cannot lead astray: the device runs the kernel meanwhile.
     check_position_ids_range(position_ids, table.shape[1])
     return out

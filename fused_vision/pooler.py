@@ -4,7 +4,7 @@ import torch
 
 from . import reference
 from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from ._validation import check_pool_inputs, id_checks_enabled, syncs_allowed
+from ._validation import check_pool_inputs, id_checks_enabled
 
 
 def _triton(hidden_states, position_ids, padding_positions, output_length, round_average):
@@ -15,13 +15,7 @@ def _triton(hidden_states, position_ids, padding_positions, output_length, round
         return reference.pool_by_positions(hidden_states, position_ids, padding_positions, output_length)
     k = reference.pooling_kernel_size(seq_len, output_length)
     pooled, mask, overflow = launch(
-        hidden_states,
-        position_ids,
-        padding_positions,
-        output_length,
-        k,
-        round_average=round_average,
-        may_tune=syncs_allowed(hidden_states),
+        hidden_states, position_ids, padding_positions, output_length, k, round_average=round_average
     )
     if id_checks_enabled(position_ids) and overflow.any():  # one device-to-host sync
         raise reference.slot_overflow_error(k, output_length)

@@ -45,28 +45,6 @@ def configs(names: tuple[str, str, str], tiles) -> list[triton.Config]:
     return [triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s) for *blocks, w, s in tiles]
 
 
-class TunedBuckets:
-    """The power-of-two buckets of a count (rows, items) that an autotuner keys on, by launch signature.
-
-    A bucket not tuned yet is timed on its first launch, which synchronises the device; where that is
-    not allowed (a CUDA graph being captured, torch's sync debug mode), ``choose`` returns the nearest
-    bucket already tuned for the signature instead, whose tile the autotuner then reuses. The signature
-    holds at least what the autotuner's key does besides the bucket (its other key values, every operand
-    dtype), so a bucket it returns is one the autotuner has in its cache.
-    """
-
-    def __init__(self):
-        self._tuned: dict[tuple, set[int]] = {}
-
-    def choose(self, count: int, signature: tuple, *, may_tune: bool) -> int:
-        bucket = triton.next_power_of_2(count)
-        tuned = self._tuned.setdefault(signature, set())
-        if bucket not in tuned and not may_tune and tuned:
-            return min(tuned, key=lambda other: (abs(other.bit_length() - bucket.bit_length()), other))
-        tuned.add(bucket)  # tuned by this launch, if it was not already
-        return bucket
-
-
 def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp32: list):
     """``kernel`` autotuned over the candidates of one operand's dtype: ``half`` for bf16 and fp16,
     ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free.

@@ -17,11 +17,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, TunedBuckets, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
+from .common import TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
 from .position_embedding import load_positions, position_embedding_tile
 
 
-@triton.jit(do_not_specialize=["rows_bucket"])
+@triton.jit
 def _patch_embed_kernel(
     pixels_ptr,
     weight_ptr,
@@ -30,7 +30,6 @@ def _patch_embed_kernel(
     padding_ptr,
     out_ptr,
     num_rows,
-    rows_bucket,  # the autotuner's key only
     seq_len,
     features,
     hidden,
@@ -100,14 +99,14 @@ def _patch_embed_kernel(
 # Each fits sm_90's shared memory without register spills on Triton 3.5 to 3.9 (bench/hopper_compile.py
 # checks): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not spend
 # (256x128x32 on 8 warps spills from Triton 3.8 on), and fp32 weights (ieee dots, as stock's fp32
-# linear) need smaller tiles still. Tuned per (D, K, dtypes) and per power of two of the row count:
-# how well a tile's programs fill the SMs follows the rows (one 280-patch image makes 3 row tiles of
-# 128), and a new bucket re-times the compiled candidates rather than compiling any (where that timing's
-# sync is not allowed, TunedBuckets reuses the nearest tuned bucket).
+# linear) need smaller tiles still. Tuned once per (D, K, dtypes), at the first call's row count, which
+# then serves every size: a key on the row count would time candidates at sizes first seen inside a CUDA
+# graph capture, and its extra kernel argument, even unread, made Triton 3.8 spill the fp16 128x64x64
+# candidate (255 registers, 12 bytes).
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
     _patch_embed_kernel,
-    key=["hidden", "features", "rows_bucket"],
+    key=["hidden", "features"],
     dtype_of="weight_ptr",
     half=configs(
         _TILE,
@@ -119,20 +118,14 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
 )
 
 
-_ROW_BUCKETS = TunedBuckets()
-
-
 def patch_embed(
     pixel_values: torch.Tensor,
     weight: torch.Tensor,
     table: torch.Tensor,
     position_ids: torch.Tensor,
     padding_positions: torch.Tensor,
-    *,
-    may_tune: bool = True,
 ) -> torch.Tensor:
-    """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor.
-    ``may_tune=False``: time no autotune candidates (it synchronises) where a tuned row bucket can serve."""
+    """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor."""
     pixel_values, weight, table = map(int32_inner_offsets, (pixel_values, weight, table))
     batch, seq_len, features = pixel_values.shape
     hidden = weight.shape[0]
@@ -148,9 +141,6 @@ def patch_embed(
         padding_positions.view(torch.uint8),
         out,
         num_rows,
-        _ROW_BUCKETS.choose(
-            num_rows, (hidden, features, pixel_values.dtype, weight.dtype, position_ids.dtype), may_tune=may_tune
-        ),
         seq_len,
         features,
         hidden,

@@ -30,7 +30,6 @@ import triton.language as tl
 
 from .common import (
     TORCH_TO_TL,
-    TunedBuckets,
     autotune_per_dtype,
     configs,
     gather_launch_config,
@@ -102,7 +101,7 @@ def _patch_slots_kernel(
     tl.store(overflow_ptr + item, tl.sum(overflow, axis=0))
 
 
-@triton.jit(do_not_specialize=["items_bucket"])
+@triton.jit
 def _pool_by_positions_kernel(
     hidden_ptr,
     codes_ptr,
@@ -112,7 +111,6 @@ def _pool_by_positions_kernel(
     seq_len,
     hidden,
     output_length,
-    items_bucket,  # the autotuner's key only
     inv_k_squared,
     scale,
     stride_hidden_b,
@@ -208,21 +206,16 @@ def _hidden_states_grad_kernel(
 
 
 # Each fits sm_90 without register spills (bench/hopper_compile.py checks); fp32 hidden states take
-# ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype) and per power of
-# two of the item count: the slots per item set how many programs share an item, the items how many
-# programs fill the SMs, and the best tile follows both (where timing a new bucket's candidates would
-# sync when syncs are not allowed, TunedBuckets reuses the nearest tuned bucket).
+# ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype): the slots per
+# item set how many programs share an item, and the best tile follows.
 _TILE = ("BLOCK_S", "BLOCK_N", "BLOCK_D")
 _pool_by_positions_tuned, gpu_configs = autotune_per_dtype(
     _pool_by_positions_kernel,
-    key=["hidden", "output_length", "items_bucket"],
+    key=["hidden", "output_length"],
     dtype_of="hidden_ptr",
     half=configs(_TILE, [(64, 64, 128, 4, 3), (64, 64, 256, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3)]),
     fp32=configs(_TILE, [(64, 64, 64, 4, 2), (64, 64, 128, 8, 2), (32, 64, 128, 4, 2)]),
 )
-
-
-_ITEM_BUCKETS = TunedBuckets()
 
 
 def patch_slots(
@@ -271,11 +264,9 @@ def pool_by_positions(
     k: int,
     *,
     round_average: bool = True,
-    may_tune: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch the pooler on validated inputs with N = k * k * L, k > 1; ``round_average``: round each
-    average to the hidden dtype before the sqrt(D) scale; ``may_tune=False``: time no autotune
-    candidates (it synchronises) where a tuned item bucket can serve.
+    average to the hidden dtype before the sqrt(D) scale.
 
     Returns (pooled fp32 (B, L, D), mask (B, L) bool, overflow (B,) int32: patches whose slot is >= L).
     Items with overflowing patches come out NaN.
@@ -295,7 +286,6 @@ def pool_by_positions(
         seq_len,
         hidden,
         output_length,
-        _ITEM_BUCKETS.choose(batch, (hidden, output_length, hidden_states.dtype, round_average), may_tune=may_tune),
         1.0 / (k * k),
         math.sqrt(hidden),
         *hidden_states.stride(),

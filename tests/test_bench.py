@@ -96,13 +96,15 @@ def test_compiled_provider(tmp_path):
 
 def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
     """Past the time budget a run loses compiled rows first, and of those the embedder's at #5's case (its
-    goal) last."""
-    sections, compiled_cases = [], []
+    goal) last. The eager stem ops also start at #5's case, whose first calls tune the tiles."""
+    sections, compiled_cases, eager_cases = [], [], []
 
     def bench_stem(session, ops, providers, cases, hidden_sizes):
         sections.append((providers, ops))
         if providers == ("compiled",):
             compiled_cases.extend((case.name, hidden) for hidden in hidden_sizes for case in cases)
+        else:
+            eager_cases.extend(case.name for case in cases)
 
     monkeypatch.setattr(runner, "bench_stem", bench_stem)
     monkeypatch.setattr(runner, "bench_tower", lambda session, op, *_: sections.append(op))
@@ -123,6 +125,7 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
         (("compiled",), ("patch_embed", "lookup", "pooler")),
     ]
     assert compiled_cases[0] == ("image_32x280", 1152)
+    assert eager_cases == ["image_32x280", "video_32x70", "image_8x280", "image_8x1120"]
     assert sorted(compiled_cases) == sorted((case.name, hidden) for hidden in (768, 1152) for case in GPU_CASES)
 
 

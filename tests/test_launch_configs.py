@@ -5,8 +5,6 @@ of the patch embedder and the pooler) would first meet a test on the GPU. The in
 so the GPU paths of the dots are checked in fp16 and fp32.
 """
 
-import importlib
-
 import pytest
 import torch
 
@@ -90,70 +88,6 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
     assert_matches_stock(actual, pixels, weight, table, ids)
-
-
-def _embed(batch, seq_len):
-    pixels, weight, table, ids = make_inputs(batch, seq_len, 96, 144, 30, torch.float16, torch.float32, 5)
-    return fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
-
-
-def _pool(items):
-    hidden_states, ids, padding = make_batch([(6, 6)] * items, 3, 4, 40, torch.float16)
-    return fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend="triton")[0]
-
-
-@pytest.mark.parametrize(
-    "module,tuner,calls",
-    [
-        # 300, 400 and 600 rows: buckets 512, 512, 1024
-        (patch_embed_kernels, "_patch_embed_tuned", [lambda: _embed(2, 150), lambda: _embed(2, 200), lambda: _embed(3, 200)]),
-        # 2, 3 and 4 items: buckets 2, 4, 4
-        (pooler_kernels, "_pool_by_positions_tuned", [lambda: _pool(2), lambda: _pool(3), lambda: _pool(4)]),
-    ],
-    ids=["patch_embed_rows", "pooler_items"],
-)
-def test_autotuners_tune_once_per_power_of_two_of_the_rows_or_items(gpu_tiles, monkeypatch, module, tuner, calls):
-    """How well a tile's programs fill the SMs follows the rows (embedder) or the items (pooler), so each
-    autotuner keys on their power of two: a new bucket is tuned afresh, a size inside a tuned one is not.
-    The timings are stubbed (autotuning needs a GPU); the chosen config then runs in the interpreter."""
-    tuner = stub_autotuner(monkeypatch, module, tuner)
-    tuned_keys = []
-    for call in calls:
-        assert call().isfinite().all()
-        tuned_keys.append(len(tuner.cache))
-    expected = [1, 1, 2] if module is patch_embed_kernels else [1, 2, 2]
-    assert tuned_keys == expected, f"keys tuned after each call: {tuned_keys}, expected {expected}"
-
-
-def stub_autotuner(monkeypatch, module, name):
-    """The module's autotuner with an empty cache and stubbed timings, and its bucket record emptied."""
-    tuner = getattr(module, name)
-    monkeypatch.setattr(tuner, "cache", {})
-    monkeypatch.setattr(tuner, "_bench", lambda *args, config, **kwargs: [1.0, 1.0, 1.0])
-    buckets = "_ROW_BUCKETS" if module is patch_embed_kernels else "_ITEM_BUCKETS"
-    monkeypatch.setattr(module, buckets, type(getattr(module, buckets))())
-    return tuner
-
-
-@pytest.mark.parametrize(
-    "module,tuner,policy,small,large",
-    [
-        (patch_embed_kernels, "_patch_embed_tuned", "fused_vision.patch_embed", lambda: _embed(2, 150), lambda: _embed(3, 200)),
-        (pooler_kernels, "_pool_by_positions_tuned", "fused_vision.pooler", lambda: _pool(2), lambda: _pool(3)),
-    ],
-    ids=["patch_embed", "pooler"],
-)
-def test_a_new_bucket_is_not_timed_where_syncs_are_not_allowed(gpu_tiles, monkeypatch, module, tuner, policy, small, large):
-    """Timing candidates synchronises, which a CUDA graph capture or torch's sync debug mode (vLLM's
-    VLLM_GPU_SYNC_CHECK) forbids: there a size in a bucket not tuned yet takes the nearest tuned
-    bucket's tile, and is tuned for its own once syncs are allowed again."""
-    tuner = stub_autotuner(monkeypatch, module, tuner)
-    assert small().isfinite().all() and len(tuner.cache) == 1
-    with monkeypatch.context() as forbidden:  # as under a capture: the op's policy layer asks this
-        forbidden.setattr(importlib.import_module(policy), "syncs_allowed", lambda tensor: False)
-        assert large().isfinite().all()
-    assert len(tuner.cache) == 1, "no timing while syncs are not allowed"
-    assert large().isfinite().all() and len(tuner.cache) == 2
 
 
 @pytest.mark.parametrize(
