@@ -333,11 +333,11 @@ def _per_sample_cases():
 def _item_grads(loss, args, in_dims, argnums, item, backend):
     """Autograd through the op (its fused backward) on item ``item`` alone."""
     args = [a[item] if dim == 0 else a for a, dim in zip(args, in_dims)]
-    leaves = [args[i].detach().clone().requires_grad_(True) for i in argnums]
-    for i, leaf in zip(argnums, leaves):
-        args[i] = leaf
-    loss(*args, backend).backward()
-    return [leaf.grad for leaf in leaves]
+
+    def with_leaves(*leaves):
+        return loss(*[leaves[argnums.index(i)] if i in argnums else a for i, a in enumerate(args)], backend)
+
+    return grads(with_leaves, [args[i] for i in argnums], torch.ones(()))[1]
 
 
 @pytest.mark.filterwarnings("ignore:fused_vision.*torch.func transforms run the PyTorch reference")
@@ -347,7 +347,8 @@ def test_per_sample_gradients(op, backend):
     """vmap(grad(...)), the per-sample gradients of DP-SGD training, equals autograd through the fused
     backward item by item, and grad(vmap(...)) their sum; the id checks still read every mapped item."""
     loss, args, in_dims, argnums, (bad_arg, bad_ids) = _per_sample_cases()[op]
-    per_sample = torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))(*args, backend)
+    per_sample_grads = torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))
+    per_sample = per_sample_grads(*args, backend)
     for item in range(3):
         expected = _item_grads(loss, args, in_dims, argnums, item, backend)
         for i, actual, wanted in zip(argnums, per_sample, expected):
@@ -362,7 +363,7 @@ def test_per_sample_gradients(op, backend):
         assert_close(actual, wanted, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, what=f"grad(vmap), arg {i}")
     bad_args = [bad_ids if i == bad_arg else a for i, a in enumerate(args)]
     with pytest.raises(ValueError, match="position_ids: "):
-        torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))(*bad_args, backend)
+        per_sample_grads(*bad_args, backend)
 
 
 @pytest.mark.parametrize("tracing_mode", ["real", "fake"])
