@@ -15,16 +15,15 @@ def interpreting() -> bool:
 
 
 def int32_inner_offsets(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``, or a contiguous copy of it where the kernels' int32 index math would overflow.
+    """``tensor``, or a contiguous copy of it where the kernels' int32 offsets within a row would overflow.
 
-    The kernels index the leading dimension in int64 and multiply the indices of the others by their
-    strides in int32: exact while an item spans fewer than 2**31 elements, which a contiguous (B, N, D)
-    item does below N * D = 2**31 (1.9 M patches at D = 1152). A strided view can span more, such as a
-    transposed (N, B, D) over 2**31 elements; only such a view is copied.
+    The kernels compute the offset of every row (of every dimension but the last) in int64, so a tensor
+    of any size and any row strides is exact, and the offsets within a row, the last dimension's index
+    times its stride, in int32: exact while ``(size - 1) * stride`` stays below 2**31, as it does in any
+    contiguous tensor. A view can exceed it, such as a (B, D, N) tensor transposed to (B, N, D) with
+    N * D >= 2**31; only such a view is copied.
     """
-    if tensor.is_contiguous():
-        return tensor
-    span = sum((size - 1) * stride for size, stride in zip(tensor.shape[1:], tensor.stride()[1:]) if size)
+    span = (tensor.shape[-1] - 1) * tensor.stride(-1)
     return tensor if span < 2**31 else tensor.contiguous()
 
 

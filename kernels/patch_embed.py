@@ -64,7 +64,7 @@ def _patch_embed_kernel(
     patch = rows % seq_len
 
     pixel_rows = pixels_ptr + batch[:, None] * stride_pixels_b + patch[:, None] * stride_pixels_n
-    weight_cols = weight_ptr + cols[None, :] * stride_weight_d
+    weight_cols = weight_ptr + cols[None, :].to(tl.int64) * stride_weight_d
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
     for k0 in range(0, features, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)

@@ -69,7 +69,7 @@ def _patch_slots_kernel(
     max_x = tl.zeros((BLOCK_N,), dtype=tl.int64)
     for n0 in range(0, seq_len, BLOCK_N):
         patches = n0 + tl.arange(0, BLOCK_N)
-        x = tl.load(ids_item + patches * stride_ids_n, mask=patches < seq_len, other=0).to(tl.int64)
+        x = tl.load(ids_item + patches.to(tl.int64) * stride_ids_n, mask=patches < seq_len, other=0).to(tl.int64)
         max_x = tl.maximum(max_x, tl.minimum(x, id_limit))
     slots_per_row = (tl.max(max_x, axis=0) + 1) // k
     for s0 in range(0, output_length, BLOCK_S):
@@ -84,13 +84,13 @@ def _patch_slots_kernel(
     for n0 in range(0, seq_len, BLOCK_N):
         patches = n0 + tl.arange(0, BLOCK_N)
         patch_in = patches < seq_len
-        ids_row = ids_item + patches * stride_ids_n
+        ids_row = ids_item + patches.to(tl.int64) * stride_ids_n
         x = tl.minimum(tl.maximum(tl.load(ids_row, mask=patch_in, other=0).to(tl.int64), 0), id_limit)
         y = tl.minimum(tl.maximum(tl.load(ids_row + stride_ids_axis, mask=patch_in, other=0).to(tl.int64), 0), id_limit)
         slot = x // k + slots_per_row * (y // k)
         in_slots = patch_in & (slot < output_length)
         overflow += (patch_in & ~in_slots).to(tl.int32)
-        padding_row = padding_ptr + item * stride_padding_b + patches * stride_padding_n
+        padding_row = padding_ptr + item * stride_padding_b + patches.to(tl.int64) * stride_padding_n
         padding = tl.load(padding_row, mask=patch_in, other=1) != 0
         summed = in_slots & ~padding
         slot = tl.where(in_slots, slot, 0).to(tl.int32)  # a safe address where the masks are off
@@ -143,7 +143,7 @@ def _pool_by_positions_kernel(
         # Rows no slot of this program takes (padding among them) are not read: their zeros add nothing.
         hit = tl.max(match.to(tl.int32), axis=0) != 0
         rows = tl.load(
-            hidden_item + patches[:, None] * stride_hidden_n + cols[None, :] * stride_hidden_d,
+            hidden_item + patches[:, None].to(tl.int64) * stride_hidden_n + cols[None, :] * stride_hidden_d,
             mask=hit[:, None] & col_in[None, :],
             other=0.0,
         )
@@ -194,7 +194,10 @@ def _hidden_states_grad_kernel(
     taken = row_in & (slot >= 0)
     batch = rows // seq_len
     grad = tl.load(
-        grad_pooled_ptr + batch[:, None] * stride_grad_b + slot[:, None] * stride_grad_s + cols[None, :] * stride_grad_d,
+        grad_pooled_ptr
+        + batch[:, None] * stride_grad_b
+        + slot[:, None].to(tl.int64) * stride_grad_s
+        + cols[None, :] * stride_grad_d,
         mask=taken[:, None] & col_in[None, :],
         other=0.0,
     ).to(tl.float32)
@@ -227,7 +230,6 @@ def patch_slots(
     each slot's first and last summed patch, (N, -1) when it has none; mask (B, L) bool: the slots any
     patch falls in; overflow (B,) int32: patches whose slot is >= L).
     """
-    position_ids, padding_positions = int32_inner_offsets(position_ids), int32_inner_offsets(padding_positions)
     batch, seq_len, _ = position_ids.shape
     device = position_ids.device
     codes = torch.empty((batch, seq_len), dtype=torch.int32, device=device)

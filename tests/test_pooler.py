@@ -6,7 +6,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
+from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
 
 BACKENDS = ["triton", "reference"]
 # The average rounds to the hidden dtype before the fp32 scale: allow one unit in its last place.
@@ -83,6 +83,37 @@ def test_int32_ids_and_strided_hidden(poisoned, backend):
     expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 6)
     assert_bit_identical(mask, expected_mask, "mask")
     assert_close(pooled, expected, atol=2**-7 * 48**0.5, rtol=2**-7)
+
+
+@pytest.mark.parametrize("items", [1, 2], ids=["contiguous_item", "two_items_interleaved"])
+def test_rows_past_2_to_the_31_elements(monkeypatch, items):
+    """Rows more than 2**31 elements into the hidden states, in one contiguous item or in two items
+    interleaved row by row (a view the launcher must not copy): the kernel offsets them in int64 (in
+    int32 it read out of bounds, a segfault under the interpreter). The 4.4 GB buffer is mapped lazily:
+    only the last slot's patches are written and read, the rest is padding, which the kernel skips.
+    Small integers make every sum exact, so that slot must match the reference pooler run on its
+    patches alone, bit for bit."""
+    k, width, height = 16, 16, 8448  # one slot per row of 16 x 16 patches: 528 slots, 135,168 patches
+    seq_len, output_length, hidden = width * height, height // k, 2**14 // items
+    buffer = torch.empty((seq_len, items, hidden), dtype=torch.float16, device=DEVICE)
+    poison_empty(monkeypatch)
+    hidden_states = buffer.transpose(0, 1)
+    first_read = seq_len - k * k
+    assert first_read * items * hidden >= 2**31
+    values = torch.randint(-8, 9, (items, k * k, hidden), dtype=torch.float16, device=DEVICE)
+    hidden_states[:, first_read:] = values
+    ids = image_ids(width, height, seq_len).expand(items, -1, -1).to(DEVICE)
+    padding = torch.ones(items, seq_len, dtype=torch.bool, device=DEVICE)
+    padding[:, first_read:] = False
+
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, output_length, backend="triton")
+    last_slot, _ = reference.pool_by_positions(
+        values, image_ids(k, k, k * k).expand(items, -1, -1).to(DEVICE), padding[:, first_read:], 1
+    )
+    expected = torch.zeros(items, output_length, hidden, device=DEVICE)
+    expected[:, -1:] = last_slot
+    assert mask.all()
+    assert_bit_identical(pooled, expected, "pooled")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -131,8 +131,8 @@ def test_unchecked_bad_ids_turn_rows_nan_not_faults(poisoned, monkeypatch, bad_i
 
 
 def test_kernels_copy_the_strided_views_their_int32_offsets_cannot_reach():
-    """The launchers index inner dimensions in int32: a view whose items span 2**31 elements or more is
-    made contiguous first; any other tensor, however large its leading dimension, is passed as it is.
+    """The kernels offset rows in int64 and columns in int32: a view whose last dimension spans 2**31
+    elements or more is made contiguous first; any other tensor, however large, is passed as it is.
     Meta tensors: strides without memory."""
     from fused_vision.kernels.common import int32_inner_offsets
 
@@ -141,17 +141,18 @@ def test_kernels_copy_the_strided_views_their_int32_offsets_cannot_reach():
 
     large_contiguous = meta((800, 2520, 1152), (2520 * 1152, 1152, 1))  # 2.3e9 elements
     every_other_item = meta((400, 2520, 1152), (2 * 2520 * 1152, 1152, 1))
-    small_transposed = meta((8, 2520, 1152), (1152, 8 * 1152, 1))
-    large_transposed = meta((800, 2520, 1152), (1152, 800 * 1152, 1))
-    for kept in (large_contiguous, every_other_item, small_transposed):
+    items_transposed = meta((800, 2520, 1152), (1152, 800 * 1152, 1))  # (N, B, D) memory
+    small_columns_transposed = meta((2, 1000, 1152), (1152 * 1000, 1, 1000))  # (B, D, N) memory
+    large_columns_transposed = meta((1, 2**21, 1152), (1152 * 2**21, 1, 2**21))
+    for kept in (large_contiguous, every_other_item, items_transposed, small_columns_transposed):
         assert int32_inner_offsets(kept) is kept
-    copied = int32_inner_offsets(large_transposed)
-    assert copied.is_contiguous() and copied.shape == large_transposed.shape
+    copied = int32_inner_offsets(large_columns_transposed)
+    assert copied.is_contiguous() and copied.shape == large_columns_transposed.shape
 
 
 def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
-    """Each launcher passes every tensor whose inner indices its kernel multiplies in int32 through
-    int32_inner_offsets (the test above checks the helper itself)."""
+    """Each launcher passes every tensor whose column offsets its kernel computes in int32 through
+    int32_inner_offsets (the test above checks the helper itself); ids and padding have none."""
     from fused_vision.kernels import patch_embed as patch_embed_kernels
     from fused_vision.kernels import pooler as pooler_kernels
     from fused_vision.kernels import position_embedding as lookup_kernels
@@ -176,11 +177,11 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
         "patch_embed": (lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding), [pixels, weight, table]),
         "pool_by_positions": (
             lambda: pooler_kernels.pool_by_positions(hidden_states, pool_ids, pool_padding, 1, 2),
-            [hidden_states, pool_ids, pool_padding],
+            [hidden_states],
         ),
         "hidden_states_grad": (
             lambda: pooler_kernels.hidden_states_grad(grad_pooled, pool_ids, pool_padding, 2, torch.float32),
-            [grad_pooled, pool_ids, pool_padding],
+            [grad_pooled],
         ),
     }
     for name, (launch, tensors) in launches.items():
