@@ -123,9 +123,14 @@ def _pool_by_positions_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    item = tl.program_id(2).to(tl.int64)
-    slots = tl.program_id(0) * BLOCK_S + tl.arange(0, BLOCK_S)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    # One grid axis, item-major so that an item's programs run together: CUDA caps the other axes at
+    # 65,535, fewer programs than a batch of video frames can need.
+    num_slot_blocks = tl.cdiv(output_length, BLOCK_S)
+    programs_per_item = num_slot_blocks * tl.cdiv(hidden, BLOCK_D)
+    pid = tl.program_id(0)
+    item = (pid // programs_per_item).to(tl.int64)
+    slots = (pid % num_slot_blocks) * BLOCK_S + tl.arange(0, BLOCK_S)
+    cols = (pid % programs_per_item // num_slot_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
     slot_in = slots < output_length
     col_in = cols < hidden
     codes_item = codes_ptr + item * seq_len
@@ -295,7 +300,7 @@ def pool_by_positions(
     dtype = TORCH_TO_TL[hidden_states.dtype]
 
     def grid(meta):
-        return (triton.cdiv(output_length, meta["BLOCK_S"]), triton.cdiv(hidden, meta["BLOCK_D"]), batch)
+        return (triton.cdiv(output_length, meta["BLOCK_S"]) * triton.cdiv(hidden, meta["BLOCK_D"]) * batch,)
 
     if interpreting():
         # Fixed large tiles: the interpreter pays per program, and autotuning needs a GPU.

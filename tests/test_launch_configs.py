@@ -109,3 +109,58 @@ def test_autotuner_offers_the_candidates_of_the_dtype(module, tuner, pointer, dt
     finally:
         tuner.nargs = None
     assert offered == module.gpu_configs(dtype)
+
+
+# CUDA's limits on a launch grid: 2**31 - 1 programs on the first axis, 65,535 on the others.
+GRID_LIMITS = (2**31 - 1, 65_535, 65_535)
+
+
+class _GridRecorder:
+    """Stands in for a kernel or an autotuner: records each launch's grid for every candidate config
+    (a launcher's grid may depend on the tile) and runs nothing."""
+
+    def __init__(self, configs=(None,)):
+        self.configs, self.grids = configs, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            for config in self.configs:
+                meta = kwargs | (config.kwargs if config else {})
+                self.grids.append(tuple(grid(meta) if callable(grid) else grid))
+
+        return launch
+
+
+def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
+    """At 100,000 items (video frames, say) no kernel may put the items on a grid axis capped at
+    65,535: such a launch fails on a GPU, and under the interpreter, which has no limits, nothing else
+    would notice."""
+    items, seq_len, hidden = 100_000, 4, 8
+    recorders = {}
+    for module, kernel, tuner in [
+        (lookup_kernels, "_position_embedding_kernel", None),
+        (lookup_kernels, "_table_grad_kernel", None),
+        (pooler_kernels, "_patch_slots_kernel", None),
+        (pooler_kernels, "_hidden_states_grad_kernel", None),
+        (pooler_kernels, "_pool_by_positions_tuned", torch.float16),
+        (patch_embed_kernels, "_patch_embed_tuned", torch.float16),
+    ]:
+        recorder = _GridRecorder(module.gpu_configs(tuner) if tuner else (None,))
+        monkeypatch.setattr(module, kernel, recorder)
+        recorders[kernel] = recorder
+    ids = torch.zeros(items, seq_len, 2, dtype=torch.int32, device=DEVICE)
+    padding = torch.zeros(items, seq_len, dtype=torch.bool, device=DEVICE)
+    rows = torch.zeros(items, seq_len, hidden, dtype=torch.float16, device=DEVICE)
+    table = torch.zeros(2, 4, hidden, dtype=torch.float16, device=DEVICE)
+    lookup_kernels.position_embeddings(table, ids, padding)
+    lookup_kernels.table_grad(rows, ids, padding, 4)
+    pooler_kernels.pool_by_positions(rows, ids, padding, 1, 2)
+    pooler_kernels.hidden_states_grad(torch.zeros(items, 1, hidden, device=DEVICE), ids, padding, 2, torch.float16)
+    pixels = torch.zeros(items, seq_len, 12, device=DEVICE)
+    weight = torch.zeros(hidden, 12, dtype=torch.float16, device=DEVICE)
+    patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)
+    for kernel, recorder in recorders.items():
+        assert recorder.grids, f"{kernel}: not launched"
+        for grid in recorder.grids:
+            beyond = [axis for axis, (size, limit) in enumerate(zip(grid, GRID_LIMITS)) if size > limit]
+            assert not beyond, f"{kernel}: grid {grid} exceeds CUDA's limit on axes {beyond}"
