@@ -532,6 +532,8 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
                 f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N >= 1, got "
                 f"{tuple(p.shape)} and {tuple(q.shape)}"
             )
+        if q.dtype not in (torch.int32, torch.int64):  # the fused ops' (5.5-5.9's one-hot takes only int64)
+            raise TypeError(f"pixel_position_ids: item {i}: expected dtype int32 or int64, got {q.dtype}")
     return pixels, ids, stacked
 
 
@@ -619,7 +621,8 @@ def encode_images(
         vision_tower: a ``Gemma4VisionModel``, or a model that contains one (``Gemma4Model``,
             ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, DiffusionGemma's models, ...).
         pixel_values: (B, N, K) as the image processor returns it, or a list of (N_i, K) / (1, N_i, K).
-        pixel_position_ids: (B, N, 2), or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
+        pixel_position_ids: (B, N, 2) int32 or int64, or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks
+            padding.
         max_batch: cap on the items per encoder call.
 
     Returns:

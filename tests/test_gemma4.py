@@ -763,6 +763,9 @@ def test_encode_images_errors(planner_calls):
         encode_images(tower, list(pixels), [ids[0], ids[1][:10], ids[2]])
     with pytest.raises(TypeError, match="Gemma4VisionModel"):
         encode_images(nn.Linear(2, 2), pixels, ids)
+    for dtype in (torch.float32, torch.int16):
+        with pytest.raises(TypeError, match=rf"pixel_position_ids: item 0: expected dtype int32 or int64, got {dtype}"):
+            encode_images(tower, pixels, ids.to(dtype))
     assert encode_images(tower, [], []) == []
 
 
