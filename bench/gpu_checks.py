@@ -7,6 +7,7 @@
 - patch_embed's relative error against float64, next to stock's, in bf16, fp16, fp32;
 - the pooler against the one-hot pooler at image 32 x 280, and its run-to-run bit-identity;
 - the pooler's hidden-state gradient against autograd through the one-hot pooler, bit for bit;
+- the pooler and its gradient on an item whose rows lie past 2**31 elements (int64 offsets), bit for bit;
 - the table gradient against the deterministic reference;
 - patch_embed and the lookup with syncs forbidden (torch's sync debug mode at "error", as vLLM's
   VLLM_GPU_SYNC_CHECK=error has it in the patch embedder): no sync, and a bad id's row NaN, not an error;
@@ -34,8 +35,9 @@ from fused_vision import _dispatch, reference
 
 P = 10240
 # Real sizes: image 32 x 280 soft tokens (N = 2520) at the 26B/31B width. --smoke shrinks them.
-SIZES = dict(batch=32, soft_tokens=280, hidden=1152, features=768, big=(190, 10080, 1152))  # big: 2.21e9 elements
-SMOKE_SIZES = dict(batch=2, soft_tokens=28, hidden=40, features=48, big=(2, 630, 16))
+# big: a (B, N, D) lookup output of 2.21e9 elements; pool_big: (L, D) of one pooled item with L * D over 2**31.
+SIZES = dict(batch=32, soft_tokens=280, hidden=1152, features=768, big=(190, 10080, 1152), pool_big=(1_865_000, 1152))
+SMOKE_SIZES = dict(batch=2, soft_tokens=28, hidden=40, features=48, big=(2, 630, 16), pool_big=(50, 16))
 
 
 def image_ids(batch, soft_tokens, k=3, generator=None):
@@ -144,6 +146,45 @@ def check_pooler_backward(device, results, batch, soft_tokens, hidden, **_):
         grads.append(leaf.grad)
     check = f"pooler_backward_bit_identical_B{batch}_N{ids.shape[1]}_D{hidden}_bf16"
     results.append(dict(check=check, max_abs_diff=float((grads[0] - grads[1]).abs().max()), ok=bits_equal(*grads)))
+
+
+def check_pooler_rows_past_2_31(device, results, pool_big, **_):
+    """The pooler and its gradient on one item whose rows lie past 2**31 elements (int64 row offsets): the
+    hidden states' N * D = 8.6e9 and the pooled gradient's L * D = 2.15e9. The image is two patches wide
+    (k = 2: one slot per row of slots) and only its last slots' patches are real; neither kernel reads
+    padding, so the expected values come from the reference on those patches alone, and integer values
+    keep every sum exact: both results must match bit for bit."""
+    output_length, hidden = pool_big
+    k, tail_slots = 2, min(64, output_length // 2)
+    seq_len, tail = k * k * output_length, k * k * (output_length - tail_slots)
+    ys, xs = torch.meshgrid(torch.arange(k * output_length), torch.arange(k), indexing="ij")
+    ids = torch.stack([xs.flatten(), ys.flatten()], dim=-1)[None].to(device)
+    padding = torch.ones(1, seq_len, dtype=torch.bool, device=device)
+    padding[:, tail:] = False
+    hidden_states = torch.empty(1, seq_len, hidden, device=device, dtype=torch.bfloat16)  # 17 GB; the tail is read
+    hidden_states[:, tail:] = torch.randint(-8, 9, (1, seq_len - tail, hidden), device=device).bfloat16()
+    tail_ids = ids[:, tail:] - torch.tensor([0, k * (output_length - tail_slots)], device=device)
+    tail_states = hidden_states[:, tail:].clone()
+    hidden_states.requires_grad_(True)
+
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, output_length, backend="triton")
+    expected, _ = reference.pool_by_positions(tail_states, tail_ids, padding[:, tail:], tail_slots)
+    forward_ok = (
+        bool(mask.all()) and bool((pooled[:, :-tail_slots] == 0).all()) and bits_equal(pooled[:, -tail_slots:], expected)
+    )
+    grad_pooled = torch.randn(1, output_length, hidden, device=device)
+    pooled.backward(grad_pooled)
+    del pooled
+    grad = hidden_states.grad
+    expected_grad = reference.pool_by_positions_backward(
+        grad_pooled[:, -tail_slots:], tail_ids, padding[:, tail:], tail_slots, torch.bfloat16
+    )
+    backward_ok = bool((grad[:, :tail] == 0).all()) and bits_equal(grad[:, tail:], expected_grad)
+    shape = f"L{output_length}_D{hidden}_bf16"
+    results.append(dict(check=f"pooler_rows_past_2_31_{shape}", over_2_31=seq_len * hidden >= 2**31, ok=forward_ok))
+    results.append(
+        dict(check=f"pooler_backward_slots_past_2_31_{shape}", over_2_31=output_length * hidden >= 2**31, ok=backward_ok)
+    )
 
 
 def check_table_grad(device, results, batch, soft_tokens, hidden, **_):
@@ -268,6 +309,7 @@ def main():
         check_patch_embed,
         check_pooler,
         check_pooler_backward,
+        check_pooler_rows_past_2_31,
         check_table_grad,
         check_no_sync_where_syncs_are_forbidden,
         check_cuda_graph_replay,

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole H200 run in one command, for one device lease (~15 min of device time, start-up included):
 #   1. correctness at real shapes (bench/gpu_checks.py: bit-identity at B=32 N=2520 D=1152, > 2**31 elements,
-#      patch_embed's error vs float64, the pooler, the table gradient)         ~1 min
+#      patch_embed's error vs float64, the pooler (rows past 2**31 too), the table gradient)  ~1 min
 #   2. the benchmark (python -m fused_vision bench, --time-budget bounds it)    ~3.5 min
 #   3. the planner's memory model against measured tower peaks                  ~1 min
 #   4. the kernel tests on the GPU, time-boxed                                  <= 1 min

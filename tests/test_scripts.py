@@ -23,7 +23,7 @@ def test_gpu_checks_smoke(tmp_path):
     )
     assert result.returncode == 0, result.stdout + result.stderr
     report = json.loads((tmp_path / "gpu_checks.json").read_text())
-    assert len(report["results"]) == 15 and all(row["ok"] for row in report["results"])
+    assert len(report["results"]) == 17 and all(row["ok"] for row in report["results"])
 
 
 def test_gpu_checks_fail_where_auto_falls_back_to_the_reference(tmp_path):
