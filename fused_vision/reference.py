@@ -179,8 +179,9 @@ def pool_by_positions_backward(
 
     Stock's chain, backwards: the fp32 sqrt(D) scale, the casts to the hidden dtype around the fp32
     one-hot matmul (the one after it only where the averages are rounded; its one nonzero term per
-    patch is an exact 1/k^2 product), the masked_fill. The (B, N, D) result is bit-identical to
-    autograd through the stock pooler.
+    patch is an exact 1/k^2 product, and a zero comes out +0.0), the masked_fill. The (B, N, D) result
+    is bit-identical to autograd through the stock pooler for a finite gradient (stock's 0 * inf terms
+    spread a slot's inf or NaN over the item's other patches).
     """
     seq_len, hidden = position_ids.shape[1], grad_pooled.shape[2]
     grad = grad_pooled * hidden**0.5
@@ -189,7 +190,7 @@ def pool_by_positions_backward(
             grad = grad.to(hidden_dtype)
         k = pooling_kernel_size(seq_len, output_length)
         slots = pooling_slots(position_ids, k).unsqueeze(-1).expand(-1, -1, hidden)
-        grad = grad.float().gather(1, slots) * (1.0 / (k * k))
+        grad = grad.float().gather(1, slots) * (1.0 / (k * k)) + 0.0  # a zero is +0.0, as the matmul's sum
     return grad.to(hidden_dtype).masked_fill(padding_positions.unsqueeze(-1), 0.0)
 
 

@@ -209,7 +209,8 @@ def _hidden_states_grad_kernel(
     grad = grad * scale
     if ROUND_AVERAGE:
         grad = round_to(grad, DTYPE).to(tl.float32)
-    grad = round_to(grad * inv_k_squared, DTYPE)
+    # + 0.0: a zero gradient comes out +0.0, as from stock's one-hot matmul, whose sum adds +0.0 terms to it.
+    grad = round_to(grad * inv_k_squared + 0.0, DTYPE)
     tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
 
 

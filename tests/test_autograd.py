@@ -116,12 +116,15 @@ def test_patch_embed_keeps_only_what_the_requested_gradients_read(trainable):
 )
 def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, strided_grad, round_average):
     """Stock's one-hot matmul has one nonzero term per patch, so its gradient is a scaled, rounded copy
-    of the slot's: the fused one must equal it bit for bit, padding rows (one at a real position) 0."""
+    of the slot's: the fused one must equal it bit for bit, padding rows (one at a real position) 0, and
+    zeros (-0.0 upstream, or a tiny gradient that rounds to it) +0.0, as the matmul's sum makes them."""
     hidden_states, ids, padding = make_batch([(12, 9), (6, 6)], k, output_length, 40, dtype, shuffle=True)
     padding[0, (ids[0] >= 0).all(-1).nonzero()[0]] = True
     grad_out = torch.randn(2, output_length, 40, device=DEVICE)
     if strided_grad:
         grad_out = torch.randn(output_length, 40, 2, device=DEVICE).permute(2, 0, 1)
+    grad_out[..., ::7] = -0.0
+    grad_out[..., 3::7] = -1e-9  # rounds to -0.0 in fp16
 
     def fused(h):
         return fused_vision.pool_by_positions(h, ids, padding, output_length, round_average=round_average, backend=backend)
