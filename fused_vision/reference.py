@@ -41,7 +41,8 @@ def position_embeddings(
     *,
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """The lookup as two gathers (the transformers 5.10+ formulation); bit-identical to the one-hot.
+    """The lookup as two gathers (the transformers 5.10+ formulation); bit-identical to the one-hot for a
+    finite table, but for a -0.0 sum, which the one-hot's sum turns +0.0.
 
     ``table[0][x] + table[1][y]`` rounds once, as the one-hot's ``sum(dim=1)`` does, and
     ``residual + pe`` rounds once more, as the stock ``hidden_states + position_embeddings``.

@@ -1,7 +1,9 @@
-"""The lookup against the one-hot definition: bit-identical for every backend, dtype and layout."""
+"""The lookup against the one-hot definition: bit-identical for every backend, dtype and layout (and to
+transformers 5.10+'s F.embedding code where the two differ, at -0.0 sums)."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import fused_vision
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
@@ -44,6 +46,27 @@ def test_matches_onehot(poisoned, backend, id_dtype, dtype, batch, seq_len, num_
     expected = onehot(table, ids)
     actual = fused_vision.position_embeddings(table, ids, backend=backend)
     assert_bit_identical(actual, expected)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+def test_negative_zero_rows_sum_as_the_embedding_code(poisoned, backend, dtype):
+    """Where both rows hold -0.0 the lookup gives -0.0 as transformers 5.10+'s two F.embedding do,
+    bit for bit, while the one-hot's sum adds the other rows' +0.0 products and gives +0.0 (README)."""
+    table = torch.randn(2, 30, 24, device=DEVICE).to(dtype)
+    table[0, 3, ::2] = -0.0
+    table[1, 5, ::3] = -0.0
+    ids = make_ids(2, 40, 30, padded_tail=4).to(DEVICE)
+    ids[:, :6] = torch.tensor([3, 5], device=DEVICE)
+    padding = default_padding_positions(ids)
+    clamped = ids.clamp(min=0)
+    embedding_code = F.embedding(clamped[..., 0], table[0]) + F.embedding(clamped[..., 1], table[1])
+    embedding_code = torch.where(padding.unsqueeze(-1), 0.0, embedding_code)
+    actual = fused_vision.position_embeddings(table, ids, backend=backend)
+    assert_bit_identical(actual, embedding_code)
+    both_negative_zero = actual[:, :6, ::6]
+    assert (both_negative_zero == 0).all() and both_negative_zero.signbit().all()
+    assert not onehot(table, ids)[:, :6, ::6].signbit().any()
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
