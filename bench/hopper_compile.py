@@ -1,17 +1,20 @@
 """Compile every Triton kernel for Hopper (sm_90a) with no GPU, at the launch configs a GPU gets, and
 report what each costs: shared memory, registers, spills, and the matrix instruction its dots became.
 
-    python bench/hopper_compile.py [--out DIR]
+    python bench/hopper_compile.py [--out DIR] [--fp-fusion]
 
 Triton lowers to PTX on any machine and its bundled ptxas assembles it; registers and spills are read
 off that ptxas run's own log, so they are the binary's a GPU would load, built with the ptxas and flags
 Triton chose (both change between Triton releases). This catches what the CPU interpreter cannot:
 kernels that do not compile for the GPU, tiles that overflow shared memory, register spills, and a
 half-precision embedder GEMM that misses Hopper's asynchronous tensor cores (wgmma), which would cap
-it far below the GEMM floor. The arguments are the launchers' own, captured from calls on small CPU
-tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow with N, at N=2520 and
-10080), so the specialisations match a real launch. Exits 1 when a kernel does not compile, overflows
-shared memory, spills registers, or (the bf16/fp16 embedder) builds no wgmma.
+it far below the GEMM floor; with --fp-fusion, also arithmetic whose result depends on fp fusion
+(each kernel built again with fusion flipped must hold the same fma count in its PTX: fused, a * b + c
+rounds once; Triton 3.10 stops fusing by default). The arguments are the launchers' own, captured from
+calls on small CPU tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow with
+N, at N=2520 and 10080), so the specialisations match a real launch. Exits 1 when a kernel does not compile, overflows
+shared memory, spills registers, builds no wgmma (the bf16/fp16 embedder) or, with --fp-fusion, fma
+that fusion decides.
 Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
 """
 
@@ -75,11 +78,14 @@ def capture_launches(module, attributes: tuple[str, ...], call) -> list[tuple[tu
     return [capture.launches[0] for capture in captures]
 
 
-def compile_for_hopper(kernel, args: tuple, kwargs: dict):
+def compile_for_hopper(kernel, args: tuple, kwargs: dict, fp_fusion: bool | None = None):
     """Compile as the JIT would for these arguments: ints equal to 1 become constants, pointers and
-    values divisible by 16 are marked so. Returns the compiled kernel and its ptxas -v log."""
+    values divisible by 16 are marked so; ``fp_fusion``: Triton's default, or forced on or off. Returns
+    the compiled kernel and its ptxas -v log."""
     kwargs = dict(kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    if fp_fusion is not None:
+        options["enable_fp_fusion"] = fp_fusion
     values = dict(zip(kernel.arg_names, args)) | kwargs
     signature, constants, attrs = {}, {}, {}
     for index, name in enumerate(kernel.arg_names):
@@ -121,6 +127,12 @@ def matrix_instructions(ptx: str) -> str:
     if shapes:
         return " ".join(f"wgmma {shape} {dtype}" for shape, dtype in shapes)
     return "mma.sync" if "mma.sync" in ptx else "none"
+
+
+def fused_multiply_adds(ptx: str) -> int:
+    """How many fma instructions the PTX holds: the fp32 ieee dots' own, and any a * b + c that Triton
+    fused, which rounds once where the unfused pair rounds twice."""
+    return len(re.findall(r"^\s*fma\.", ptx, flags=re.MULTILINE))
 
 
 def name(dtype: torch.dtype) -> str:
@@ -193,16 +205,26 @@ def launches():
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write hopper_compile.csv here")
+    parser.add_argument(
+        "--fp-fusion", action="store_true", help="also build each kernel with fp fusion flipped and compare (twice the time)"
+    )
     args = parser.parse_args()
     if interpreting():
         sys.exit("hopper_compile: unset TRITON_INTERPRET; the interpreter's @triton.jit builds nothing to compile")
 
     rows, failed = [], False
     for kernel_name, variant, kernel, launch_args, launch_kwargs in launches():
-        row = dict(kernel=kernel_name, variant=variant, shared_bytes="", registers="", spill_bytes="", mma="")
+        row = dict(kernel=kernel_name, variant=variant, shared_bytes="", registers="", spill_bytes="", mma="", fmas="")
         try:
             compiled, ptxas_log = compile_for_hopper(kernel, launch_args, launch_kwargs)
             registers, spills = ptxas_resources(ptxas_log)
+            fmas = {}
+            if args.fp_fusion:
+                # Built again with the other fp-fusion setting (Triton 3.10 turns it off by default): the
+                # results may not depend on it, so the fused multiply-adds must be the same.
+                fused = compiled.metadata.enable_fp_fusion
+                other, _ = compile_for_hopper(kernel, launch_args, launch_kwargs, fp_fusion=not fused)
+                fmas = {fused: fused_multiply_adds(compiled.asm["ptx"]), not fused: fused_multiply_adds(other.asm["ptx"])}
         except Exception as exc:  # a kernel that does not compile for the GPU is this script's finding
             row["status"] = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             failed = True
@@ -211,11 +233,21 @@ def main() -> int:
             fits = compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK and spills == 0
             needs_wgmma = kernel_name == "patch_embed" and not variant.startswith("float32")
             row |= dict(shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spills, mma=mma)
-            row["status"] = "DOES NOT FIT" if not fits else "NO WGMMA" if needs_wgmma and "wgmma" not in mma else "ok"
+            row["fmas"] = f"{fmas[True]}/{fmas[False]}" if fmas else ""
+            row["status"] = (
+                "DOES NOT FIT"
+                if not fits
+                else "NO WGMMA"
+                if needs_wgmma and "wgmma" not in mma
+                else "FUSION CHANGES RESULTS"
+                if fmas and fmas[True] != fmas[False]
+                else "ok"
+            )
             failed |= row["status"] != "ok"
         rows.append(row)
         print(f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
-              f"spills {row['spill_bytes']!s:>4}  {row['mma'] or '-':24} {row['status']}", flush=True)
+              f"spills {row['spill_bytes']!s:>4}  {row['mma'] or '-':24} fma {row['fmas'] or '-':>9} {row['status']}",
+              flush=True)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "hopper_compile.csv", "w", newline="") as f:

@@ -209,8 +209,10 @@ def _hidden_states_grad_kernel(
     grad = grad * scale
     if ROUND_AVERAGE:
         grad = round_to(grad, DTYPE).to(tl.float32)
-    # + 0.0: a zero gradient comes out +0.0, as from stock's one-hot matmul, whose sum adds +0.0 terms to it.
-    grad = round_to(grad * inv_k_squared + 0.0, DTYPE)
+    # A zero comes out +0.0, as from stock's one-hot matmul, whose sum adds +0.0 terms to it: a select, as
+    # "+ 0.0" would fuse into an FMA that keeps the sign of a product underflowing to zero.
+    grad = grad * inv_k_squared
+    grad = round_to(tl.where(grad == 0.0, 0.0, grad), DTYPE)
     tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
 
 
