@@ -621,8 +621,8 @@ def encode_images(
         vision_tower: a ``Gemma4VisionModel``, or a model that contains one (``Gemma4Model``,
             ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, DiffusionGemma's models, ...).
         pixel_values: (B, N, K) as the image processor returns it, or a list of (N_i, K) / (1, N_i, K).
-        pixel_position_ids: (B, N, 2) int32 or int64, or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks
-            padding.
+        pixel_position_ids: (B, N, 2) int32 or int64 (int64 where a 5.5-5.9 tower runs its stock one-hot),
+            or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
         max_batch: cap on the items per encoder call.
 
     Returns:
@@ -664,6 +664,11 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
         first = indices[0]
         input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
         path = _planner_path(tower, [(pixels[i], ids[i]) for i in indices])
+        if path == "onehot" and any(ids[i].dtype != torch.int64 for i in indices):
+            raise TypeError(
+                f"pixel_position_ids: item {next(i for i in indices if ids[i].dtype != torch.int64)}: the tower runs "
+                "transformers 5.5-5.9's stock one-hot lookup, which takes int64 ids only"
+            )
         chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
         if max_batch is not None:
             chunk = min(chunk, max_batch)

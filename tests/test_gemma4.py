@@ -766,6 +766,14 @@ def test_encode_images_errors(planner_calls):
     for dtype in (torch.float32, torch.int16):
         with pytest.raises(TypeError, match=rf"pixel_position_ids: item 0: expected dtype int32 or int64, got {dtype}"):
             encode_images(tower, pixels, ids.to(dtype))
+    if VERSION < (5, 10):  # the unpatched tower's one-hot takes int64 only; the fused ops and 5.10+ take int32
+        with pytest.raises(TypeError, match=r"pixel_position_ids: item 0: .* one-hot lookup, which takes int64"):
+            encode_images(tower, pixels, ids.int())
+    else:
+        assert len(encode_images(tower, pixels, ids.int())) == len(GRIDS)
+    fused_tower = make_tower()
+    apply_fused_vision_to_gemma4(fused_tower)
+    assert len(encode_images(fused_tower, pixels, ids.int())) == len(GRIDS)
     assert encode_images(tower, [], []) == []
 
 
