@@ -17,11 +17,12 @@ def interpreting() -> bool:
 def int32_inner_offsets(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor``, or a contiguous copy of it where the kernels' int32 offsets within a row would overflow.
 
-    The kernels compute the offset of every row (of every dimension but the last) in int64, so a tensor
-    of any size and any row strides is exact, and the offsets within a row, the last dimension's index
-    times its stride, in int32: exact while ``(size - 1) * stride`` stays below 2**31, as it does in any
-    contiguous tensor. A view can exceed it, such as a (B, D, N) tensor transposed to (B, N, D) with
-    N * D >= 2**31; only such a view is copied.
+    The kernels compute the offset of every row of their inputs (of every dimension but the last) in
+    int64, so any size and any row strides are exact, and the offsets within a row, the last
+    dimension's index times its stride, in int32: exact while ``(size - 1) * stride`` stays below 2**31,
+    as it does in a contiguous tensor whose rows are shorter. A view can exceed it, such as a (B, D, N)
+    tensor transposed to (B, N, D) with N * D >= 2**31; only such a view is copied. (The pooler numbers
+    patches and slots in int32 too, which bounds N and 2 * L below 2**31, far past any real item.)
     """
     span = (tensor.shape[-1] - 1) * tensor.stride(-1)
     return tensor if span < 2**31 else tensor.contiguous()

@@ -5,6 +5,7 @@ import torch
 
 import fused_vision
 from fused_vision import reference
+from fused_vision.kernels.common import int32_inner_offsets
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
 
@@ -98,6 +99,7 @@ def test_rows_past_2_to_the_31_elements(monkeypatch, items):
     buffer = torch.empty((seq_len, items, hidden), dtype=torch.float16, device=DEVICE)
     poison_empty(monkeypatch)
     hidden_states = buffer.transpose(0, 1)
+    assert int32_inner_offsets(hidden_states) is hidden_states  # not copied: its rows are offset in int64
     first_read = seq_len - k * k
     assert first_read * items * hidden >= 2**31
     values = torch.randint(-8, 9, (items, k * k, hidden), dtype=torch.float16, device=DEVICE)
