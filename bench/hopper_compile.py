@@ -12,9 +12,9 @@ it far below the GEMM floor; with --fp-fusion, also arithmetic whose result depe
 (each kernel built again with fusion flipped must hold the same fma count in its PTX: fused, a * b + c
 rounds once; Triton 3.10 stops fusing by default). The arguments are the launchers' own, captured from
 calls on small CPU tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow with
-N, at N=2520 and 10080), so the specialisations match a real launch. Exits 1 when a kernel does not compile, overflows
-shared memory, spills registers, builds no wgmma (the bf16/fp16 embedder) or, with --fp-fusion, fma
-that fusion decides.
+N, at N=2520 and 10080), so the specialisations match a real launch. Exits 1 when a kernel does not
+compile, overflows shared memory, spills registers, builds no wgmma (the bf16/fp16 embedder) or, with
+--fp-fusion, fma that fusion decides.
 Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
 """
 
@@ -234,15 +234,14 @@ def main() -> int:
             needs_wgmma = kernel_name == "patch_embed" and not variant.startswith("float32")
             row |= dict(shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spills, mma=mma)
             row["fmas"] = f"{fmas[True]}/{fmas[False]}" if fmas else ""
-            row["status"] = (
-                "DOES NOT FIT"
-                if not fits
-                else "NO WGMMA"
-                if needs_wgmma and "wgmma" not in mma
-                else "FUSION CHANGES RESULTS"
-                if fmas and fmas[True] != fmas[False]
-                else "ok"
-            )
+            if not fits:
+                row["status"] = "DOES NOT FIT"
+            elif needs_wgmma and "wgmma" not in mma:
+                row["status"] = "NO WGMMA"
+            elif fmas and fmas[True] != fmas[False]:
+                row["status"] = "FUSION CHANGES RESULTS"
+            else:
+                row["status"] = "ok"
             failed |= row["status"] != "ok"
         rows.append(row)
         print(f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
