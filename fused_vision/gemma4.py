@@ -664,10 +664,11 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
         first = indices[0]
         input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
         path = _planner_path(tower, [(pixels[i], ids[i]) for i in indices])
-        if path == "onehot" and any(ids[i].dtype != torch.int64 for i in indices):
+        not_int64 = [i for i in indices if ids[i].dtype != torch.int64] if path == "onehot" else []
+        if not_int64:
             raise TypeError(
-                f"pixel_position_ids: item {next(i for i in indices if ids[i].dtype != torch.int64)}: the tower runs "
-                "transformers 5.5-5.9's stock one-hot lookup, which takes int64 ids only"
+                f"pixel_position_ids: item {not_int64[0]}: the tower runs transformers 5.5-5.9's stock one-hot "
+                "lookup, which takes int64 ids only"
             )
         chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
         if max_batch is not None:
