@@ -12,7 +12,7 @@ ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype",
     "ms_p50", "ms_p20", "ms_p80",
-    "peak_bytes", "output_bytes", "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
+    "peak_bytes", "peak_requested_bytes", "output_bytes", "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
     *ENVIRONMENT_COLUMNS,
 )  # fmt: skip
 LOW_MEMORY_COLUMNS = (
@@ -191,7 +191,8 @@ def goal_summary(found: list[Verdict]) -> str:
 
 def _measured(verdict: Verdict) -> str:
     if verdict.ratio is None:
-        return format_bytes(verdict.extra_bytes)
+        counted = "allocated" if verdict.row.get("peak_requested_bytes") is None else "requested"
+        return f"{format_bytes(verdict.extra_bytes)} {counted}"
     row, baseline = verdict.row, verdict.baseline
     text = f"{significant(verdict.ratio, 2)}×: {format_ms(row['ms_p50'])} against {format_ms(baseline['ms_p50'])}"
     if row.get("floor_ms"):

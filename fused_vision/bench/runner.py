@@ -23,7 +23,7 @@ import torch
 import fused_vision
 
 from . import report
-from .measure import Budget, Ceiling, copy_ceiling, matmul_ceiling, peak_bytes, synchronize, tensor_bytes, time_call
+from .measure import Budget, Ceiling, Peak, copy_ceiling, matmul_ceiling, peak_memory, synchronize, tensor_bytes, time_call
 from .ops import STEM_OPS, Unsupported
 from .targets import ISSUE_CASE, ISSUE_HIDDEN, verdicts
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory
@@ -216,9 +216,9 @@ class Session:
             synchronize(device)
             first_call_s = time.perf_counter() - start
             times = time_call(call, device, budget)
-            peak = None  # the CPU allocator keeps no peak statistics
+            peak = Peak(allocated=None, requested=None)  # the CPU allocator keeps no peak statistics
             if device.type == "cuda":
-                peak, result = peak_bytes(call, device)
+                peak, result = peak_memory(call, device)
         except Exception as exc:  # an out-of-memory error, a provider this stack lacks: a logged skip, not a crash
             failure = describe(exc)
         if failure:  # skipped outside the handler, whose traceback holds the failed call's tensors
@@ -235,7 +235,8 @@ class Session:
             ms_p50=times.p50,
             ms_p20=times.p20,
             ms_p80=times.p80,
-            peak_bytes=peak,
+            peak_bytes=peak.allocated,
+            peak_requested_bytes=peak.requested,
             output_bytes=tensor_bytes(result),
         )
         floor_ms = 0.0

@@ -3,7 +3,10 @@
 - patch_embed at least 4x faster than the stock eager embedder (``embedding``, transformers 5.10+), and
   faster than ``torch.compile`` of it (``compiled``);
 - the pooler at least 10x faster than the stock pooler (``onehot``: every release pools through it);
-- for both, peak memory beyond the inputs and the output under 1 MiB (CUDA only: the CPU keeps no peaks).
+- for both, peak memory beyond the inputs and the output under 1 MiB (CUDA only: the CPU keeps no peaks),
+  in the bytes the call requested: the allocator's rounding of the output's block (up to 1 MiB) is no
+  temporary of the op's. Where the allocator keeps no requested count, in its blocks, which can only
+  miss the goal by that rounding, never meet it.
 
 Each goal is judged at every case and width a run measured, for both fused providers: the public op
 (``fused``, input checks included) and its launcher alone (``fused_kernel``). #5 states its goals at
@@ -57,7 +60,8 @@ GOALS = (*(target.goal for target in SPEED_UPS), *map(peak_goal, EXTRA_PEAK_OPS)
 @dataclass(frozen=True)
 class Verdict:
     """One goal at one case, width and fused provider. ``ratio`` is the baseline's time over the fused
-    one's for speed-ups, None for memory; ``extra_bytes`` the peak beyond the output for memory goals."""
+    one's for speed-ups, None for memory; ``extra_bytes`` the peak beyond the output for memory goals
+    (requested bytes where the row has them)."""
 
     goal: str
     case: str
@@ -93,7 +97,8 @@ def verdicts(rows: list[dict]) -> list[Verdict]:
                     met = target.met(ratio)
                     found.append(Verdict(target.goal, case, hidden, provider, row, baseline, ratio, None, met))
             if op in EXTRA_PEAK_OPS and row.get("peak_bytes") is not None:
-                extra = row["peak_bytes"] - row["output_bytes"]
+                requested = row.get("peak_requested_bytes")
+                extra = (row["peak_bytes"] if requested is None else requested) - row["output_bytes"]
                 met = extra < EXTRA_PEAK_LIMIT
                 found.append(Verdict(peak_goal(op), case, hidden, provider, row, None, None, extra, met))
     return found
