@@ -50,6 +50,10 @@ def test_gpu_checks_fail_where_auto_falls_back_to_the_reference(tmp_path):
     for check in ("check_no_sync_where_syncs_are_forbidden", "check_cuda_graph_replay"):
         row = rows[f"{check}_ran_the_kernels"]
         assert not row["ok"] and "position_embeddings on cpu" in row["error"], row
+    # On a GPU the reference would meet the out-of-range id unchecked, a device-side assert that no later
+    # check survives: the check stops before that call.
+    row = rows["check_no_sync_where_syncs_are_forbidden"]
+    assert "lookup: 'auto' fell back to the reference" in row["error"], row
 
 
 def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
