@@ -4,10 +4,10 @@
 #      patch_embed's error vs float64, the pooler (rows past 2**31 too), the table gradient)  ~1 min
 #   2. the benchmark (python -m fused_vision bench, --time-budget bounds it)    ~3.5 min
 #   3. the planner's memory model against measured tower peaks                  ~1 min
-#   4. the kernel tests on the GPU, time-boxed                                  <= 1 min
+#   4. the kernel tests on the GPU, in the time left (they build ~200 kernels)  <= 2.5 min
 # Bench files land in $OUT directly (6 files); everything else in $OUT/checks.tgz and $OUT/h200.log, so the
 # 8-file limit on what comes back holds. Exits non-zero if any step failed; later steps still run.
-#   device tool: run(command="bash bench/h200.sh", timeout_s=570); about 8 min expected, plus start-up
+#   device tool: run(command="bash bench/h200.sh", timeout_s=570); about 9 min expected, plus start-up
 # Each step has a time box, cut to what is left before H200_DEADLINE_S (default 540 s after the start, under
 # the device call's 570 s), so a slow or hung step costs its own results, not the later steps' or the
 # archive. A box sends SIGINT: the bench then writes the reports of what it measured, gpu_checks.json and
@@ -94,7 +94,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 step gpu_checks 150 "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}"
 step bench 330 "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
 step planner_check 120 "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}"
-step gpu_tests 60 "$python" -m pytest -q -x -p no:cacheprovider "${gpu_tests[@]}" --junitxml "$checks/gpu_tests.xml"
+# No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
+step gpu_tests 150 "$python" -m pytest -q --maxfail=10 -p no:cacheprovider "${gpu_tests[@]}" --junitxml "$checks/gpu_tests.xml"
 
 cat "$out/results.md" 2>/dev/null
 exit "$status"
