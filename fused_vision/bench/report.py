@@ -12,7 +12,8 @@ ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype",
     "ms_p50", "ms_p20", "ms_p80",
-    "peak_bytes", "peak_requested_bytes", "output_bytes", "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
+    "peak_bytes", "peak_requested_bytes", "output_bytes",
+    "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
     *ENVIRONMENT_COLUMNS,
 )  # fmt: skip
 LOW_MEMORY_COLUMNS = (
