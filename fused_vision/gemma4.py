@@ -511,6 +511,11 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
                 f"pixel_values (B, N, K) and pixel_position_ids (B, N, 2) expected, got shapes "
                 f"{tuple(pixel_values.shape)} and {tuple(pixel_position_ids.shape)}"
             )
+        if pixel_position_ids.shape[0] != pixel_values.shape[0]:  # zip would drop the extra items silently
+            raise ValueError(
+                f"pixel_position_ids: expected {pixel_values.shape[0]} items like pixel_values, got shape "
+                f"{tuple(pixel_position_ids.shape)} against {tuple(pixel_values.shape)}"
+            )
         pixels, ids, stacked = list(pixel_values), list(pixel_position_ids), True
     else:
         if not isinstance(pixel_values, Sequence) or not isinstance(pixel_position_ids, Sequence):

@@ -759,6 +759,9 @@ def test_encode_images_errors(planner_calls):
         encode_images(tower, [*pixels[:2], pixels[2, :0]], [*ids[:2], ids[2, :0]])
     with pytest.raises(ValueError, match="pixel tensors"):
         encode_images(tower, list(pixels), list(ids)[:2])
+    for fewer_pixels, fewer_ids in ((pixels[:2], ids), (pixels, ids[:2])):  # stacked: one item more or less
+        with pytest.raises(ValueError, match=r"pixel_position_ids: expected \d items like pixel_values"):
+            encode_images(tower, fewer_pixels, fewer_ids)
     with pytest.raises(ValueError, match="item 1"):
         encode_images(tower, list(pixels), [ids[0], ids[1][:10], ids[2]])
     with pytest.raises(TypeError, match="Gemma4VisionModel"):
