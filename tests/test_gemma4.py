@@ -764,6 +764,8 @@ def test_encode_images_errors(planner_calls):
             encode_images(tower, fewer_pixels, fewer_ids)
     with pytest.raises(ValueError, match="item 1"):
         encode_images(tower, list(pixels), [ids[0], ids[1][:10], ids[2]])
+    with pytest.raises(ValueError, match="pixel_values: item 2: expected .* features like item 0"):
+        encode_images(tower, [*pixels[:2], pixels[2, :, :-1]], list(ids))
     with pytest.raises(TypeError, match="Gemma4VisionModel"):
         encode_images(nn.Linear(2, 2), pixels, ids)
     for dtype in (torch.float32, torch.int16):
