@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
-# The whole H200 run in one command, for one device lease (~15 min of device time, start-up included):
-#   1. correctness at real shapes (bench/gpu_checks.py: bit-identity at B=32 N=2520 D=1152, > 2**31 elements,
-#      patch_embed's error vs float64, the pooler (rows past 2**31 too), the table gradient)  ~1 min
-#   2. the benchmark (python -m fused_vision bench, --time-budget bounds it)    ~3.5 min
-#   3. the planner's memory model against measured tower peaks                  ~1 min
-#   4. the kernel tests on the GPU, in the time left (they build ~200 kernels)  <= 2.5 min
+# The H200 run, in device calls short enough that a lease (15 min of device time, start-up included) keeps
+# room to rerun one. Each call names its steps; with none it makes the one the issues need first:
+#   call 1  bash bench/h200.sh                            gpu_checks + bench          ~5.5 min, box 430 s
+#           device tool: run(command="bash bench/h200.sh", timeout_s=460)
+#   call 2  bash bench/h200.sh planner_check gpu_tests    the other two               ~3.5 min, box 300 s
+#           device tool: run(command="bash bench/h200.sh planner_check gpu_tests", timeout_s=330)
+# Between them, copy call 1's files out of files_at (the next call empties $OUT) and read its log: where a
+# step failed, rerun that step alone in call 2's place. The steps:
+#   gpu_checks     correctness at real shapes (bench/gpu_checks.py: bit-identity at B=32 N=2520 D=1152,
+#                  > 2**31 elements, patch_embed's error vs float64, the pooler (rows past 2**31 too), the
+#                  table gradient)                                                  box 150 s, ~1 to 2 min
+#   bench          python -m fused_vision bench (its --time-budget bounds it)       box 250 s, ~3.5 min
+#   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
+#   gpu_tests      the kernel tests on the GPU (they build ~200 kernels); stopping
+#                  at its box is by design and does not fail the call              box 150 s
 # Bench files land in $OUT directly (6 files); everything else in $OUT/checks.tgz and $OUT/h200.log, so the
 # 8-file limit on what comes back holds. Exits non-zero if any step failed; later steps still run.
-#   device tool: run(command="bash bench/h200.sh", timeout_s=570); about 9 min expected, plus start-up
-# Each step has a time box, cut to what is left before H200_DEADLINE_S (default 540 s after the start, under
-# the device call's 570 s), so a slow or hung step costs its own results, not the later steps' or the
-# archive. A box sends SIGINT: the bench then writes the reports of what it measured, gpu_checks.json and
-# the logs keep every check and planner row that finished.
+# Each box is cut to what is left before H200_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
+# install and archive, counted from the start), so a slow or hung step costs its own results, not the later
+# steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured,
+# gpu_checks.json and the logs keep every check and planner row that finished.
 # H200_DRY_RUN=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU
 # under TRITON_INTERPRET=1), so a lease is never spent debugging this script. PYTHON: default python3.
 set -uo pipefail
@@ -31,7 +39,19 @@ else
   bench_args=(--time-budget 200)
   planner_args=()
 fi
-deadline=$((SECONDS + ${H200_DEADLINE_S:-540}))
+# Each step's time box in seconds, and the steps of a call with no arguments.
+declare -A box=([gpu_checks]=150 [bench]=250 [planner_check]=120 [gpu_tests]=150)
+steps=("$@")
+[ "${#steps[@]}" -gt 0 ] || steps=(gpu_checks bench)
+default_deadline=30  # install and archive, then the steps' boxes
+for name in "${steps[@]}"; do
+  if [ -z "${box[$name]:-}" ]; then
+    echo "h200.sh: unknown step '$name': expected any of gpu_checks, bench, planner_check, gpu_tests" >&2
+    exit 2
+  fi
+  default_deadline=$((default_deadline + box[$name]))
+done
+deadline=$((SECONDS + ${H200_DEADLINE_S:-$default_deadline}))
 checks="$(mktemp -d)"
 mkdir -p "$out"
 exec > >(tee "$out/h200.log") 2>&1
@@ -46,8 +66,8 @@ archive() {  # after every step, run or skipped: a run cut short still brings ba
 }
 
 status=0
-step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step without stopping the others
-  local name=$1 box=$2; shift 2
+step() {  # step NAME COMMAND...: run, time-box, time and record one step without stopping the others
+  local name=$1 limit=${box[$1]}; shift
   local left=$((deadline - SECONDS - 15))  # 15 s kept for the archive
   if [ "$left" -lt 20 ]; then
     echo "=== $name skipped: ${left} s left before the deadline"
@@ -55,12 +75,12 @@ step() {  # step NAME BOX_S COMMAND...: run, time-box, time and record one step 
     archive
     return
   fi
-  [ "$box" -gt "$left" ] && box=$left
-  echo "=== $name (box ${box} s): $*"
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name (box ${limit} s): $*"
   local start=$SECONDS code=0
   # SIGINT at the box, so Python writes what it has and pytest prints its summary; SIGKILL 15 s later.
   # --foreground: the signal goes to the step once (not again to its process group, mid-report).
-  timeout --foreground -s INT -k 15 "$box" "$@" || code=$?
+  timeout --foreground -s INT -k 15 "$limit" "$@" || code=$?
   if [ "$code" -eq 124 ]; then
     echo "=== $name reached its time box (what ran is in the log and its report)"
     # Only the kernel tests may stop short by design; a checking step cut short did not check everything.
@@ -91,11 +111,16 @@ fi
 "$python" -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, 'from', fused_vision.__path__[0], torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
 
-step gpu_checks 150 "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}"
-step bench 330 "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
-step planner_check 120 "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}"
-# No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
-step gpu_tests 150 "$python" -m pytest -q --maxfail=10 -p no:cacheprovider "${gpu_tests[@]}" --junitxml "$checks/gpu_tests.xml"
+for name in "${steps[@]}"; do
+  case $name in
+    gpu_checks) step gpu_checks "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}" ;;
+    bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}" ;;
+    planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
+    # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
+    gpu_tests) step gpu_tests "$python" -m pytest -q --maxfail=10 -p no:cacheprovider "${gpu_tests[@]}" \
+      --junitxml "$checks/gpu_tests.xml" ;;
+  esac
+done
 
 cat "$out/results.md" 2>/dev/null
 exit "$status"
