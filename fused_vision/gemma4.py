@@ -503,7 +503,8 @@ def _resolve_tower(model: nn.Module) -> nn.Module:
 
 def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
     """Per-item (N_i, K) pixels and (N_i, 2) ids, and whether the input was one stacked tensor."""
-    if isinstance(pixel_values, torch.Tensor):
+    stacked = isinstance(pixel_values, torch.Tensor)
+    if stacked:
         if not isinstance(pixel_position_ids, torch.Tensor):
             raise TypeError("pixel_position_ids: expected a tensor like pixel_values")
         if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3:
@@ -511,27 +512,20 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
                 f"pixel_values (B, N, K) and pixel_position_ids (B, N, 2) expected, got shapes "
                 f"{tuple(pixel_values.shape)} and {tuple(pixel_position_ids.shape)}"
             )
-        if pixel_position_ids.shape[0] != pixel_values.shape[0]:  # zip would drop the extra items silently
-            raise ValueError(
-                f"pixel_position_ids: expected {pixel_values.shape[0]} items like pixel_values, got shape "
-                f"{tuple(pixel_position_ids.shape)} against {tuple(pixel_values.shape)}"
+    elif not isinstance(pixel_values, Sequence) or not isinstance(pixel_position_ids, Sequence):
+        raise TypeError("pixel_values, pixel_position_ids: expected two tensors or two lists of per-item tensors")
+    if len(pixel_position_ids) != len(pixel_values):  # zip would drop the extra items silently
+        raise ValueError(
+            f"pixel_position_ids: expected {len(pixel_values)} items like pixel_values, got {len(pixel_position_ids)}"
+        )
+    pixels, ids = [], []
+    for i, (p, q) in enumerate(zip(pixel_values, pixel_position_ids)):
+        if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
+            raise TypeError(
+                f"pixel_values, pixel_position_ids: item {i} is {type(p).__name__} and {type(q).__name__}, "
+                "expected tensors"
             )
-        pixels, ids, stacked = list(pixel_values), list(pixel_position_ids), True
-    else:
-        if not isinstance(pixel_values, Sequence) or not isinstance(pixel_position_ids, Sequence):
-            raise TypeError("pixel_values, pixel_position_ids: expected two tensors or two lists of per-item tensors")
-        if len(pixel_values) != len(pixel_position_ids):
-            raise ValueError(f"{len(pixel_values)} pixel tensors but {len(pixel_position_ids)} position-id tensors")
-        for i, (p, q) in enumerate(zip(pixel_values, pixel_position_ids)):
-            if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
-                raise TypeError(
-                    f"pixel_values, pixel_position_ids: item {i} is {type(p).__name__} and {type(q).__name__}, "
-                    "expected tensors"
-                )
-        pixels = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in pixel_values]
-        ids = [p[0] if p.dim() == 3 and p.shape[0] == 1 else p for p in pixel_position_ids]
-        stacked = False
-    for i, (p, q) in enumerate(zip(pixels, ids)):
+        p, q = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in (p, q))  # a listed item's batch of one
         if p.dim() != 2 or q.dim() != 2 or q.shape[-1] != 2 or p.shape[0] != q.shape[0] or p.shape[0] == 0:
             raise ValueError(
                 f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N >= 1, got "
@@ -539,8 +533,10 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
             )
         if q.dtype not in (torch.int32, torch.int64):  # the fused ops' (5.5-5.9's one-hot takes only int64)
             raise TypeError(f"pixel_position_ids: item {i}: expected dtype int32 or int64, got {q.dtype}")
-        if p.shape[1] != pixels[0].shape[1]:  # one tower, one patch size: items of a bucket are stacked
+        if pixels and p.shape[1] != pixels[0].shape[1]:  # one tower, one patch size: items of a bucket are stacked
             raise ValueError(f"pixel_values: item {i}: expected {pixels[0].shape[1]} features like item 0, got {p.shape[1]}")
+        pixels.append(p)
+        ids.append(q)
     return pixels, ids, stacked
 
 
