@@ -759,9 +759,9 @@ def test_encode_images_errors(planner_calls):
         encode_images(tower, [*pixels[:2], pixels[2, :0]], [*ids[:2], ids[2, :0]])
     for fewer_pixels, fewer_ids in ((pixels[:2], ids), (pixels, ids[:2])):  # one item more or less
         expected = rf"pixel_position_ids: expected {len(fewer_pixels)} items like pixel_values, got {len(fewer_ids)}"
-        for as_lists in (False, True):
+        for stacked_or_listed in ((fewer_pixels, fewer_ids), (list(fewer_pixels), list(fewer_ids))):
             with pytest.raises(ValueError, match=expected):
-                encode_images(tower, *((list(fewer_pixels), list(fewer_ids)) if as_lists else (fewer_pixels, fewer_ids)))
+                encode_images(tower, *stacked_or_listed)
     with pytest.raises(ValueError, match="item 1"):
         encode_images(tower, list(pixels), [ids[0], ids[1][:10], ids[2]])
     with pytest.raises(ValueError, match="pixel_values: item 2: expected .* features like item 0"):
