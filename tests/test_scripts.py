@@ -79,12 +79,18 @@ BENCH_FILES += ["memory.png"] if DEVICE.type == "cuda" else []  # peaks are meas
 
 
 def run_h200_dry(out, expected_code, *steps, **env):
-    """bench/h200.sh at toy sizes into ``out``, with ``steps`` as its arguments; returns its log."""
+    """bench/h200.sh at toy sizes into ``out``, with ``steps`` as its arguments; returns the finished process."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "H200_DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable, **env}
     result = subprocess.run(
         ["bash", str(ROOT / "bench" / "h200.sh"), *steps], capture_output=True, text=True, env=env, timeout=600
     )
     assert result.returncode == expected_code, result.stdout + result.stderr
+    return result
+
+
+def h200_log(out, expected_code, *steps, **env):
+    """The log of ``run_h200_dry``."""
+    run_h200_dry(out, expected_code, *steps, **env)
     return (out / "h200.log").read_text()
 
 
@@ -109,24 +115,17 @@ def test_h200_script_dry_run(tmp_path):
     first, second = tmp_path / "first", tmp_path / "second"
     first.mkdir()
     second.mkdir()
-    assert_ran(run_h200_dry(first, 0), H200_FIRST_CALL)
+    assert_ran(h200_log(first, 0), H200_FIRST_CALL)
     assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "h200.log"])
     assert archived(first) == {"gpu_checks.json"}
     rest = tuple(step for step in H200_STEPS if step not in H200_FIRST_CALL)
-    assert_ran(run_h200_dry(second, 0, *rest), rest)
+    assert_ran(h200_log(second, 0, *rest), rest)
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "h200.log"]
     assert archived(second) == {"planner_check.json", "planner_check.csv", "gpu_tests.xml"}
 
 
 def test_h200_script_refuses_an_unknown_step(tmp_path):
-    result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "h200.sh"), "bench", "gpu_check"],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "H200_DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable},
-        timeout=60,
-    )
-    assert result.returncode == 2, result.stdout + result.stderr
+    result = run_h200_dry(tmp_path, 2, "bench", "gpu_check")
     assert "unknown step 'gpu_check'" in result.stderr and "gpu_checks, bench" in result.stderr, result.stderr
     assert not any(tmp_path.iterdir()), "nothing ran"
 
@@ -134,7 +133,7 @@ def test_h200_script_refuses_an_unknown_step(tmp_path):
 def test_h200_script_past_its_deadline_skips_steps_and_still_archives(tmp_path):
     """With no time left before H200_DEADLINE_S, every step is skipped and said so, the run fails, and the
     archive and log still come back."""
-    log = run_h200_dry(tmp_path, 1, *H200_STEPS, H200_DEADLINE_S="0")
+    log = h200_log(tmp_path, 1, *H200_STEPS, H200_DEADLINE_S="0")
     for step in H200_STEPS:
         assert f"=== {step} skipped: " in log and f"=== {step} took" not in log, log
     assert sorted(path.name for path in tmp_path.iterdir()) == ["checks.tgz", "h200.log"]
@@ -148,7 +147,7 @@ def test_h200_script_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
     python.chmod(0o755)
     out = tmp_path / "out"
     out.mkdir()
-    log = run_h200_dry(out, 0, *H200_STEPS, PYTHON=str(python))
+    log = h200_log(out, 0, *H200_STEPS, PYTHON=str(python))
     staged = log.split("running from a staged copy of the source in ")[1].split()[0]
     assert f"from {staged}/fused_vision " in log, "the steps import the staged copy"
     assert_ran(log, H200_STEPS)
