@@ -3,7 +3,7 @@
 # room to rerun one. Each call names its steps; with none it makes the one the issues need first:
 #   call 1  bash bench/h200.sh                            gpu_checks + bench          ~5.5 min, box 450 s
 #           device tool: run(command="bash bench/h200.sh", timeout_s=480)
-#   call 2  bash bench/h200.sh planner_check gpu_tests    the other two               ~3.5 min, box 300 s
+#   call 2  bash bench/h200.sh planner_check gpu_tests    the other two               ~2.5 min, box 300 s
 #           device tool: run(command="bash bench/h200.sh planner_check gpu_tests", timeout_s=330)
 # Between them, copy call 1's files out of files_at (the next call empties $OUT) and read its log: where a
 # step failed, rerun that step alone in call 2's place. The steps:
