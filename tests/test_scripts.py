@@ -2,6 +2,7 @@
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import time
 import xml.etree.ElementTree as ElementTree
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import DEVICE
 
@@ -74,6 +76,35 @@ def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     rows = (tmp_path / "hopper_compile.csv").read_text().splitlines()
     assert len(rows) > 30 and all(row.endswith(",ok") for row in rows[1:]), "\n".join(rows)
+
+
+def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
+    """bench/fp32_accumulation.py, whose figures back the fp32 embedder's fp64 block sums: its fma rounds
+    once, and on the test's K the orders rank as kernels/patch_embed.py says."""
+    script = runpy.run_path(str(ROOT / "bench" / "fp32_accumulation.py"))
+    # (1 + 2**-12)**2 = 1 + 2**-11 + 2**-24 is a tie in fp32: a multiply rounds it to 1 + 2**-11, so a
+    # separate add of -(1 + 2**-11) gives 0, where one fma keeps 2**-24.
+    a = np.array([[1 + 2**-12]], np.float32)
+    acc = np.array([[-(1 + 2**-11)]], np.float32)
+    assert script["fma_chain"](a, a, acc)[0, 0] == np.float32(2**-24)
+
+    rng = np.random.default_rng(0)
+    a = (2 * rng.random((32, 768)) - 1).astype(np.float32)
+    b = (rng.standard_normal((768, 24)) / 768**0.5).astype(np.float32)
+    exact = a.astype(np.float64) @ b.astype(np.float64)
+    orders = script["orders"](a, b)
+    error = {name: np.linalg.norm(result - exact) for name, result in orders.items()}
+    fused, one_chain = error["K blocks of 32, summed in fp64 (fused)"], error["one chain over K (before 2026-12-02)"]
+    assert fused < error["split K 4 ways (cuBLAS)"] < one_chain, error
+
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "fp32_accumulation.py"), "--rows", "4", "--cols", "3", "--features", "40", "--seeds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert len(result.stdout.splitlines()) == 2 + len(orders), result.stdout
 
 
 def start_gpu_tests(out, test_file, shards, **env):
