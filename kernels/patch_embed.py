@@ -4,7 +4,12 @@ out[m] = round(round(W @ round_W(2 * (pixels[m] - 0.5))) + pe[m])
 
 - Prologue: pixels (fp32, fp16 or bf16, the processor's dtype) are prescaled in their own dtype and
   rounded to the weight dtype on load, as stock's `(2 * (pixel_values - 0.5)).to(W.dtype)`.
-- Main loop: tensor-core dot with an fp32 accumulator.
+- Main loop: bf16/fp16 weights take a tensor-core dot with an fp32 accumulator. fp32 weights take ieee
+  dots (stock's fp32 linear does not use tf32), one FMA chain per output over the K block; the
+  blocks' sums add up in fp64, so the rounding error grows with BLOCK_K rather than with K. A single
+  chain over K = 768 is less accurate than cuBLAS when it splits K for a small output (1.4 to 3.4 times
+  the error for 2 to 16 splits); summed per block in fp64, at most that of 16 splits
+  (bench/fp32_accumulation.py emulates each order).
 - Epilogue: the accumulator rounds to the weight dtype (stock's `input_proj` output), the two table rows
   are gathered for non-padding rows, and `hidden + pe` rounds once more, as stock. One store; no
   (B, N, K) or (B, N, D) temporaries.
@@ -65,7 +70,7 @@ def _patch_embed_kernel(
 
     pixel_rows = pixels_ptr + batch[:, None] * stride_pixels_b + patch[:, None] * stride_pixels_n
     weight_cols = weight_ptr + cols[None, :].to(tl.int64) * stride_weight_d
-    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float64 if DTYPE == tl.float32 else tl.float32)
     for k0 in range(0, features, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_in = ks < features
@@ -81,7 +86,8 @@ def _patch_embed_kernel(
         if DOT_IN_FP32:  # the interpreter has no bf16 dot; bf16 values are exact in fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         elif DTYPE == tl.float32:
-            acc = tl.dot(a, b, acc, input_precision="ieee")  # stock fp32 linear does not use tf32
+            # Not `tl.dot(a, b, acc)`, one chain over all of K; Triton also folds `acc + tl.dot(a, b)` into that.
+            acc += tl.dot(a, b, input_precision="ieee").to(tl.float64)
         else:
             acc = tl.dot(a, b, acc)
 
@@ -98,11 +104,12 @@ def _patch_embed_kernel(
 
 # Each fits sm_90's shared memory without register spills on Triton 3.5 to 3.9 (bench/hopper_compile.py
 # checks): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not spend
-# (256x128x32 on 8 warps spills from Triton 3.8 on), and fp32 weights (ieee dots, as stock's fp32
-# linear) need smaller tiles still. Tuned once per (D, K, dtypes), at the first call's row count, which
-# then serves every size: a key on the row count would time candidates at sizes first seen inside a CUDA
-# graph capture, and its extra kernel argument, even unread, made Triton 3.8 spill the fp16 128x64x64
-# candidate (255 registers, 12 bytes).
+# (256x128x32 on 8 warps spills from Triton 3.8 on). fp32 weights (ieee dots, as stock's fp32 linear)
+# need smaller tiles still, and 8 warps: with their fp64 block sums, each 4-warp tile tried (64x64,
+# 32x128) spills under Triton 3.6, 3.7 or 3.9. Tuned once per (D, K, dtypes), at the first call's row
+# count, which then serves every size: a key on the row count would time candidates at sizes first seen
+# inside a CUDA graph capture, and its extra kernel argument, even unread, made Triton 3.8 spill the
+# fp16 128x64x64 candidate (255 registers, 12 bytes).
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
     _patch_embed_kernel,
@@ -113,7 +120,7 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
         [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
     ),
     fp32=configs(
-        _TILE, [(64, 64, 32, 4, 3), (32, 128, 32, 4, 3), (128, 64, 32, 8, 3), (64, 64, 64, 4, 3), (64, 128, 32, 8, 3)]
+        _TILE, [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 8, 3), (64, 64, 64, 8, 3), (128, 64, 32, 8, 4)]
     ),
 )
 
