@@ -46,12 +46,26 @@ def block_chains(a: np.ndarray, b: np.ndarray, block: int, sum_dtype: type) -> n
     return out.astype(np.float32)
 
 
+def block_chains_compensated(a: np.ndarray, b: np.ndarray, block: int) -> np.ndarray:
+    """A chain per K block of ``block`` terms, the blocks added in fp32 with Kahan's compensation: the
+    alternative to fp64 sums that bench/NOTES.md weighs."""
+    total = np.zeros((a.shape[0], b.shape[1]), np.float32)
+    compensation = np.zeros_like(total)
+    for k0 in range(0, a.shape[1], block):
+        addend = fma_chain(a[:, k0 : k0 + block], b[k0 : k0 + block]) - compensation
+        new_total = total + addend
+        compensation = (new_total - total) - addend
+        total = new_total
+    return total
+
+
 def orders(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
     results = {"one chain over K (before 2026-12-02)": fma_chain(a, b)}
     results |= {f"split K {s} ways (cuBLAS)": split_chains(a, b, s) for s in SPLITS[1:]}
     for block in BLOCKS:
         results[f"K blocks of {block}, summed in fp64 (fused)"] = block_chains(a, b, block, np.float64)
         results[f"K blocks of {block}, summed in fp32"] = block_chains(a, b, block, np.float32)
+        results[f"K blocks of {block}, Kahan sum in fp32"] = block_chains_compensated(a, b, block)
     return results
 
 

@@ -81,12 +81,13 @@ def test_bit_identical_to_stock_where_the_gemm_is_exact(poisoned, dtype, pixel_d
 def test_fp16_pixels_whose_prescale_overflows(poisoned, dtype):
     """fp16 pixels are prescaled in fp16, as stock does: 2 * (32767 - 0.5) rounds to 65536 and 40000 goes
     past fp16's range, so those rows are +-inf whatever the weight dtype, not their fp32 values. Positive
-    weights of 4 bits keep every sum exact and inf - inf out, so the whole output compares bit for bit."""
+    weights of 4 bits keep every sum exact and inf - inf out, so the whole output compares bit for bit.
+    K = 130 puts the infinities in the first K block of several, whose sums must stay infinite."""
     generator = torch.Generator().manual_seed(3)
-    pixels = torch.randint(0, 64, (2, 9, 48), generator=generator) / 64
-    pixels[0, 1, 5], pixels[0, 4, 0], pixels[1, 2, 47] = 32767.0, 40000.0, -40000.0
+    pixels = torch.randint(0, 64, (2, 9, 130), generator=generator) / 64
+    pixels[0, 1, 5], pixels[0, 4, 0], pixels[1, 2, 31] = 32767.0, 40000.0, -40000.0
     pixels = pixels.to(DEVICE, torch.float16)
-    weight = (torch.randint(1, 17, (33, 48), generator=generator) / 16).to(DEVICE, dtype)
+    weight = (torch.randint(1, 17, (33, 130), generator=generator) / 16).to(DEVICE, dtype)
     table = torch.randn(2, 50, 33, generator=generator).to(DEVICE, dtype)
     ids = make_ids(2, 9, 50, padded_tail=2, generator=generator).to(DEVICE)
     expected = reference.patch_embed(pixels, weight, table, ids)
