@@ -28,18 +28,10 @@ def fma_chain(a: np.ndarray, b: np.ndarray, acc: np.ndarray | None = None) -> np
     return acc
 
 
-def split_chains(a: np.ndarray, b: np.ndarray, splits: int) -> np.ndarray:
-    """cuBLAS's split K: ``splits`` chains over contiguous K ranges, added in fp32."""
-    bounds = np.linspace(0, a.shape[1], splits + 1).astype(int)
-    out = np.zeros((a.shape[0], b.shape[1]), np.float32)
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        out = out + fma_chain(a[:, lo:hi], b[lo:hi])
-    return out
-
-
 def block_chains(a: np.ndarray, b: np.ndarray, block: int, sum_dtype: type) -> np.ndarray:
     """A chain per K block of ``block`` terms, the blocks added in ``sum_dtype``: the fused kernel's order
-    in fp64; in fp32, the order `acc + tl.dot(a, b)` would give were Triton not to fold it into one chain."""
+    in fp64; in fp32, cuBLAS's split K (blocks of K / splits), and the order `acc + tl.dot(a, b)` would
+    give were Triton not to fold it into one chain."""
     out = np.zeros((a.shape[0], b.shape[1]), sum_dtype)
     for k0 in range(0, a.shape[1], block):
         out = out + fma_chain(a[:, k0 : k0 + block], b[k0 : k0 + block]).astype(sum_dtype)
@@ -61,7 +53,8 @@ def block_chains_compensated(a: np.ndarray, b: np.ndarray, block: int) -> np.nda
 
 def orders(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
     results = {"one chain over K (before 2026-12-02)": fma_chain(a, b)}
-    results |= {f"split K {s} ways (cuBLAS)": split_chains(a, b, s) for s in SPLITS[1:]}
+    splits = {s: -(-a.shape[1] // s) for s in SPLITS[1:]}  # block sizes
+    results |= {f"split K {s} ways (cuBLAS)": block_chains(a, b, block, np.float32) for s, block in splits.items()}
     for block in BLOCKS:
         results[f"K blocks of {block}, summed in fp64 (fused)"] = block_chains(a, b, block, np.float64)
         results[f"K blocks of {block}, summed in fp32"] = block_chains(a, b, block, np.float32)
