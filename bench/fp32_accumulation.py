@@ -19,6 +19,11 @@ SPLITS = (1, 2, 3, 4, 8, 16)
 BLOCKS = (32, 64)
 
 
+def split_name(splits: int) -> str:
+    """The row of cuBLAS's order with K split ``splits`` ways; unsplit, the old kernel's one chain."""
+    return "one chain over K (before 2026-12-02)" if splits == 1 else f"split K {splits} ways (cuBLAS)"
+
+
 def fma_chain(a: np.ndarray, b: np.ndarray, acc: np.ndarray | None = None) -> np.ndarray:
     """a (M, K) @ b (K, N) in fp32 as one fma chain per output, k ascending, from ``acc`` or zero."""
     if acc is None:
@@ -28,13 +33,19 @@ def fma_chain(a: np.ndarray, b: np.ndarray, acc: np.ndarray | None = None) -> np
     return acc
 
 
+def chains_per_block(a: np.ndarray, b: np.ndarray, block: int):
+    """Each K block's fp32 chain, for K blocks of ``block`` terms."""
+    for k0 in range(0, a.shape[1], block):
+        yield fma_chain(a[:, k0 : k0 + block], b[k0 : k0 + block])
+
+
 def block_chains(a: np.ndarray, b: np.ndarray, block: int, sum_dtype: type) -> np.ndarray:
     """A chain per K block of ``block`` terms, the blocks added in ``sum_dtype``: the fused kernel's order
     in fp64; in fp32, cuBLAS's split K (blocks of K / splits), and the order `acc + tl.dot(a, b)` would
     give were Triton not to fold it into one chain."""
     out = np.zeros((a.shape[0], b.shape[1]), sum_dtype)
-    for k0 in range(0, a.shape[1], block):
-        out = out + fma_chain(a[:, k0 : k0 + block], b[k0 : k0 + block]).astype(sum_dtype)
+    for chain in chains_per_block(a, b, block):
+        out = out + chain.astype(sum_dtype)
     return out.astype(np.float32)
 
 
@@ -43,8 +54,8 @@ def block_chains_compensated(a: np.ndarray, b: np.ndarray, block: int) -> np.nda
     alternative to fp64 sums that bench/NOTES.md weighs."""
     total = np.zeros((a.shape[0], b.shape[1]), np.float32)
     compensation = np.zeros_like(total)
-    for k0 in range(0, a.shape[1], block):
-        addend = fma_chain(a[:, k0 : k0 + block], b[k0 : k0 + block]) - compensation
+    for chain in chains_per_block(a, b, block):
+        addend = chain - compensation
         new_total = total + addend
         compensation = (new_total - total) - addend
         total = new_total
@@ -52,9 +63,8 @@ def block_chains_compensated(a: np.ndarray, b: np.ndarray, block: int) -> np.nda
 
 
 def orders(a: np.ndarray, b: np.ndarray) -> dict[str, np.ndarray]:
-    results = {"one chain over K (before 2026-12-02)": fma_chain(a, b)}
-    splits = {s: -(-a.shape[1] // s) for s in SPLITS[1:]}  # block sizes
-    results |= {f"split K {s} ways (cuBLAS)": block_chains(a, b, block, np.float32) for s, block in splits.items()}
+    results = {split_name(1): fma_chain(a, b)}
+    results |= {split_name(s): block_chains(a, b, -(-a.shape[1] // s), np.float32) for s in SPLITS[1:]}
     for block in BLOCKS:
         results[f"K blocks of {block}, summed in fp64 (fused)"] = block_chains(a, b, block, np.float64)
         results[f"K blocks of {block}, summed in fp32"] = block_chains(a, b, block, np.float32)
@@ -81,12 +91,11 @@ def main() -> None:
             error = np.linalg.norm(result - exact) / np.linalg.norm(exact)
             errors.setdefault(name, []).append(error)
 
-    split_names = ["one chain over K (before 2026-12-02)"] + [f"split K {s} ways (cuBLAS)" for s in SPLITS[1:]]
     print(f"M={args.rows} N={args.cols} K={args.features}, {args.seeds} seeds; error ratio to K split s ways")
     print(f"{'order':44} {'rel. error':>10}  " + " ".join(f"s={s:<4}" for s in SPLITS))
     for name, values in errors.items():
         values = np.array(values)
-        ratios = [np.mean(values / np.array(errors[split])) for split in split_names]
+        ratios = [np.mean(values / np.array(errors[split_name(s)])) for s in SPLITS]
         print(f"{name:44} {values.mean():10.3e}  " + " ".join(f"{r:6.2f}" for r in ratios))
 
 
