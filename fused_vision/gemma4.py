@@ -52,9 +52,9 @@ class _Missing:
 _MISSING = _Missing()
 _STATE = "_fused_vision"  # the _Fused a module (or a patched class) runs with; None pins a module to stock
 _SAVED = "_fused_vision_saved"  # on a patched instance: its own attributes before the patch
-# On a class with our forward: its stock forward, for the modules that run stock code. An attribute
-# rather than a lookup keyed by class, which torch.compile resolves to the wrong class.
-_STOCK_FORWARD = "_fused_vision_stock_forward"
+# On a class with our methods: its stock ones, for the modules that run stock code. Attributes rather
+# than a lookup keyed by class, which torch.compile resolves to the wrong class.
+_STOCK_SLOTS = {"forward": "_fused_vision_stock_forward", "_position_embeddings": "_fused_vision_stock_lookup"}
 _CLASS_ORIGINALS: dict[type, dict[str, object]] = {}  # patched class -> its attributes before the patch
 _PATCHED_INSTANCES: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
@@ -137,11 +137,11 @@ def _onehot_lookup() -> bool:
 # ---- the patched methods ---------------------------------------------------------------------------
 
 
-def _stock_forward(module: nn.Module):
-    """The module's stock forward, bound: kept on its class while ours is installed there, else the class's
-    own (a forward of ours saved before a revert, e.g. in accelerate's ``_old_forward``, still works)."""
-    stock = getattr(module, _STOCK_FORWARD, None)
-    return stock if stock is not None else types.MethodType(type(module).forward, module)
+def _stock_method(module: nn.Module, name: str):
+    """The module's stock method ``name``, bound: kept on its class while ours is installed there, else the
+    class's own (a forward of ours saved before a revert, e.g. in accelerate's ``_old_forward``, still works)."""
+    stock = getattr(module, _STOCK_SLOTS[name], None)
+    return stock if stock is not None else types.MethodType(getattr(type(module), name), module)
 
 
 def _plain_linear(linear: nn.Module) -> bool:
@@ -160,16 +160,48 @@ def _autocast_enabled(device_type: str) -> bool:
     return device_type != "meta" and torch.is_autocast_enabled(device_type)
 
 
-def _embedder_runs_stock(embedder: nn.Module, pixel_values, pixel_position_ids) -> bool:
-    """Whether the embedder hands these inputs to its stock forward: it is not patched, or a dtype is
-    one the fused ops do not take (float64 pixels or table, say)."""
+def _lookup_runs_stock(embedder: nn.Module, pixel_position_ids) -> bool:
+    """Whether the embedder's lookup runs stock code: it is not patched, or a dtype is one the fused op
+    does not take (a float64 table, say)."""
     return (
         getattr(embedder, _STATE, None) is None
         or embedder.position_embedding_table.dtype not in FLOAT_DTYPES
-        or not isinstance(pixel_values, torch.Tensor)
-        or pixel_values.dtype not in FLOAT_DTYPES
         or not isinstance(pixel_position_ids, torch.Tensor)
         or pixel_position_ids.dtype not in INDEX_DTYPES
+    )
+
+
+def _embedder_runs_stock(embedder: nn.Module, pixel_values, pixel_position_ids) -> bool:
+    """Whether the embedder hands these inputs to its stock forward: its lookup does, or the pixels are of a
+    dtype the fused ops do not take (float64, say)."""
+    return (
+        _lookup_runs_stock(embedder, pixel_position_ids)
+        or not isinstance(pixel_values, torch.Tensor)
+        or pixel_values.dtype not in FLOAT_DTYPES
+    )
+
+
+def _lookup_table(embedder: nn.Module, fused: _Fused) -> torch.Tensor:
+    """The position table in the dtype whose rows the stock lookup returns."""
+    table = embedder.position_embedding_table
+    device_type = table.device.type
+    if fused.onehot_lookup and _autocast_enabled(device_type):
+        # 5.5-5.9's one-hot matmul runs in the autocast dtype: its rows come out rounded to it
+        table = table.to(torch.get_autocast_dtype(device_type))
+    return table
+
+
+def _embedder_position_embeddings(self, pixel_position_ids, padding_positions, *args, **kwargs):
+    """``Gemma4VisionPatchEmbedder._position_embeddings`` as ``fused_vision.position_embeddings``, bit-identical.
+
+    Our forward never calls it; vLLM 0.34+ does: its ``_embed_patches`` inlines the embedder's forward
+    around its own ``input_proj`` and asks the module for the lookup alone.
+    """
+    if args or kwargs or _lookup_runs_stock(self, pixel_position_ids):
+        return _stock_method(self, "_position_embeddings")(pixel_position_ids, padding_positions, *args, **kwargs)
+    fused = getattr(self, _STATE)
+    return _fused_position_embeddings(
+        _lookup_table(self, fused), pixel_position_ids, padding_positions, backend=fused.backend
     )
 
 
@@ -177,7 +209,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
     """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
     # args, kwargs: arguments of a newer stock signature; let stock handle them
     if args or kwargs or _embedder_runs_stock(self, pixel_values, pixel_position_ids):
-        return _stock_forward(self)(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
+        return _stock_method(self, "forward")(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
 
     fused, table, weight = getattr(self, _STATE), self.position_embedding_table, self.input_proj.weight
     if (
@@ -195,11 +227,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
     if weight.dtype.is_floating_point:
         pixel_values = pixel_values.to(weight.dtype)
     hidden_states = self.input_proj(pixel_values)
-    device_type = hidden_states.device.type
-    if fused.onehot_lookup and _autocast_enabled(device_type):
-        # 5.5-5.9's one-hot matmul runs in the autocast dtype: its rows come out rounded to it
-        table = table.to(torch.get_autocast_dtype(device_type))
-    backend = fused.backend
+    table, backend = _lookup_table(self, fused), fused.backend
     if hidden_states.dtype == table.dtype:
         return _fused_position_embeddings(
             table, pixel_position_ids, padding_positions, residual=hidden_states, backend=backend
@@ -232,7 +260,7 @@ def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, 
     """``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``, in the release's dtype."""
     inputs = (hidden_states, pixel_position_ids, padding_positions, output_length)
     if args or kwargs or not _pooler_runs_fused(self, *inputs):
-        return _stock_forward(self)(*inputs, *args, **kwargs)
+        return _stock_method(self, "forward")(*inputs, *args, **kwargs)
     fused = getattr(self, _STATE)
     pooled, mask = _fused_pool_by_positions(*inputs, backend=fused.backend)
     if not fused.pooler_float32:
@@ -261,15 +289,20 @@ def _set_class_attributes(cls: type, values: dict[str, object]) -> None:
         setattr(cls, name, value)
 
 
-def _install_forward(cls: type, forward) -> None:
-    """The class's forward and repr become ours; they run stock code for every instance whose state (its
-    own, else the class's) is None, so other instances see no change."""
-    stock_forward = _stock_attr(cls, "forward")
-    _set_class_attributes(cls, {"forward": forward, "extra_repr": _extra_repr, _STOCK_FORWARD: stock_forward})
+def _install_methods(cls: type, methods: dict) -> None:
+    """The class's repr and ``methods`` (name -> ours; each one the class defines) become ours; they run
+    stock code for every instance whose state (its own, else the class's) is None, so other instances see
+    no change."""
+    values = {"extra_repr": _extra_repr}
+    for name, method in methods.items():
+        stock = _stock_attr(cls, name)
+        if stock is not _MISSING:
+            values |= {name: method, _STOCK_SLOTS[name]: stock}
+    _set_class_attributes(cls, values)
 
 
-def _patch_class(cls: type, forward, fused: _Fused) -> None:
-    _install_forward(cls, forward)
+def _patch_class(cls: type, methods: dict, fused: _Fused) -> None:
+    _install_methods(cls, methods)
     _set_class_attributes(cls, {_STATE: fused})
 
 
@@ -293,18 +326,18 @@ def _forward_slot(module: nn.Module) -> str:
     return "_old_forward" if hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__ else "forward"
 
 
-def _patch_instance(module: nn.Module, cls: type, forward, fused: _Fused) -> None:
-    """The module's own state, read by its class's forward (installed here if the class is stock): the
+def _patch_instance(module: nn.Module, cls: type, methods: dict, fused: _Fused) -> None:
+    """The module's own state, read by its class's methods (installed here if the class is stock): the
     instance holds no bound method of ours, so it pickles, deep-copies and replicates (DataParallel) as
     any module. Only where accelerate's hook already holds the stock forward in ``_old_forward`` does
     the module get a bound forward of ours there."""
-    _install_forward(cls, forward)
+    _install_methods(cls, methods)
     attrs = module.__dict__
     if _SAVED not in attrs:
         names = (_STATE, "_old_forward") if _forward_slot(module) == "_old_forward" else (_STATE,)
         attrs[_SAVED] = {name: attrs.get(name, _MISSING) for name in names}
     if "_old_forward" in attrs[_SAVED]:
-        attrs["_old_forward"] = types.MethodType(forward, module)
+        attrs["_old_forward"] = types.MethodType(methods["forward"], module)
     attrs[_STATE] = fused
     _PATCHED_INSTANCES.add(module)
 
@@ -346,37 +379,38 @@ def _apply(
     pooler: bool,
     backend: str,
 ) -> int:
-    """The body of an ``apply_…`` call: patch a tower's embedder class and its pooler classes (each with
-    its forward: ``poolers`` pairs) with the ops the keywords select, or with ``model`` their instances
-    inside it. Returns the number of classes or modules set to a fused op."""
+    """The body of an ``apply_…`` call: patch a tower's embedder class (its forward and its lookup) and its
+    pooler classes (each with its forward: ``poolers`` pairs) with the ops the keywords select, or with
+    ``model`` their instances inside it. Returns the number of classes or modules set to a fused op."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     embedder_op = "patch_embed" if patch_embedder else "position_embeddings" if position_embeddings else None
     if embedder_op is None and not pooler:
         raise ValueError(f"{caller}: nothing selected (patch_embedder, position_embeddings and pooler are all False)")
-    targets = [(embedder_cls, embedder_op, _embedder_forward)] if embedder_op else []
+    embedder_methods = {"forward": _embedder_forward, "_position_embeddings": _embedder_position_embeddings}
+    targets = [(embedder_cls, embedder_op, embedder_methods)] if embedder_op else []
     if pooler:
-        targets += [(cls, "pool_by_positions", forward) for cls, forward in poolers]
+        targets += [(cls, "pool_by_positions", {"forward": forward}) for cls, forward in poolers]
     if model is None:
-        for cls, op, forward in targets:
-            _patch_class(cls, forward, _Fused(op, backend, **release))
+        for cls, op, methods in targets:
+            _patch_class(cls, methods, _Fused(op, backend, **release))
         logger.info("fused_vision: patched %s", ", ".join(f"{cls.__name__} -> {op}" for cls, op, _ in targets))
         return len(targets)
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
     matches = [
-        (module, cls, op, forward)
+        (module, cls, op, methods)
         for module in model.modules()
-        for cls, op, forward in targets
+        for cls, op, methods in targets
         if isinstance(module, cls)
     ]
     if not matches:
         *others, last = [cls.__name__ for cls, _, _ in targets]
         wanted = f"{', '.join(others)} or {last}" if others else last
         raise ValueError(f"{caller}: {type(model).__name__} contains no {wanted}, so there is nothing to fuse. {hint}")
-    for module, cls, op, forward in matches:
-        _patch_instance(module, cls, forward, _Fused(op, backend, **release))
+    for module, cls, op, methods in matches:
+        _patch_instance(module, cls, methods, _Fused(op, backend, **release))
     logger.info("fused_vision: patched %d module(s) of %s", len(matches), type(model).__name__)
     return len(matches)
 
@@ -404,7 +438,9 @@ def apply_fused_vision_to_gemma4(
             autocast) the module falls back to the lookup alone.
         position_embeddings: when ``patch_embedder`` is False, swap only the lookup inside the stock
             embedder (``fused_vision.position_embeddings``, fused with the residual add); the projection
-            stays the module's own. Ignored when ``patch_embedder`` is True, which includes it.
+            stays the module's own. Ignored when ``patch_embedder`` is True, which includes it. Either
+            also makes the embedder's ``_position_embeddings`` method the fused lookup, bit-identical:
+            vLLM 0.34+ runs its own projection and calls that method alone.
         pooler: the pooler as ``fused_vision.pool_by_positions``.
         backend: "auto", "triton" or "reference", for every patched op.
 

@@ -29,7 +29,7 @@ import os
 import torch
 from torch import nn
 
-from .gemma4 import _STATE, _apply, _lookup_is_onehot, _pooler_runs_fused, _stock_forward
+from .gemma4 import _STATE, _apply, _lookup_is_onehot, _pooler_runs_fused, _stock_method
 from .pooler import pool_by_positions as _fused_pool_by_positions
 
 __all__ = ["apply_fused_vision_to_sglang_gemma4", "sglang_plugin"]
@@ -83,7 +83,7 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)
     if not isinstance(mask_first, bool) or not _pools_fused(self, inputs, args, kwargs):
-        return _stock_forward(self)(*inputs, *args, **kwargs)
+        return _stock_method(self, "forward")(*inputs, *args, **kwargs)
     padding = padding_positions if mask_first else torch.zeros_like(padding_positions)
     pooled, mask = _fused_pool_by_positions(
         hidden_states, patch_positions, padding, output_length, backend=getattr(self, _STATE).backend
@@ -101,7 +101,7 @@ def _embedding_pooler_forward(
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     if not _pools_fused(self, inputs, args, kwargs):
-        return _stock_forward(self)(*inputs, *args, **kwargs)
+        return _stock_method(self, "forward")(*inputs, *args, **kwargs)
     backend = getattr(self, _STATE).backend
     pooled, mask = _fused_pool_by_positions(*inputs, round_average=False, backend=backend)
     return pooled.to(hidden_states.dtype), mask

@@ -26,6 +26,7 @@ modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 import fused_vision.gemma4 as fg  # noqa: E402
 import fused_vision.planner as planner  # noqa: E402
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4  # noqa: E402
+from fused_vision.position_embedding import position_embeddings as fused_position_embeddings  # noqa: E402
 
 ONEHOT_ENV = "FUSED_VISION_TRANSFORMERS_ONEHOT"
 EXPECT_ONEHOT_ENV = "FUSED_VISION_EXPECT_ONEHOT_ERA"  # set by the subprocess run
@@ -154,6 +155,40 @@ def test_lookup_alone_is_bit_identical(dtype):
     assert_bit_identical(run_tower(tower, pixels, ids), stock, "tower")
 
 
+def vllm_embed_patches(embedder, pixels, ids, padding):
+    """vLLM 0.34's ``_embed_patches`` (read in its source): the embedder's forward inlined around the
+    module's projection, the lookup asked of the module's ``_position_embeddings``."""
+    hidden_states = embedder.input_proj((2 * (pixels - 0.5)).to(embedder.input_proj.weight.dtype))
+    return hidden_states + embedder._position_embeddings(ids, padding)
+
+
+@pytest.mark.parametrize("scope", ["class", "instance"])
+@pytest.mark.parametrize("patch_embedder", [False, True], ids=["lookup_alone", "patch_embed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_the_lookup_method_vllm_calls_is_fused_and_bit_identical(monkeypatch, dtype, patch_embedder, scope):
+    tower = make_tower(dtype)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    padding = (ids == -1).all(-1)
+    with torch.no_grad():
+        stock = vllm_embed_patches(tower.patch_embedder, pixels, ids, padding)
+    lookups = []
+
+    def recorded_lookup(*args, **kwargs):
+        lookups.append(kwargs["backend"])
+        return fused_position_embeddings(*args, **kwargs)
+
+    monkeypatch.setattr(fg, "_fused_position_embeddings", recorded_lookup)
+    apply_fused_vision_to_gemma4(tower if scope == "instance" else None, patch_embedder=patch_embedder, pooler=False)
+    with torch.no_grad():
+        fused = vllm_embed_patches(tower.patch_embedder, pixels, ids, padding)
+    assert lookups == ["auto"], "the patched module's _position_embeddings did not run the fused lookup"
+    assert_bit_identical(fused, stock, "vLLM's inlined embedder")
+    revert_fused_vision_gemma4(tower if scope == "instance" else None)
+    with torch.no_grad():
+        assert_bit_identical(vllm_embed_patches(tower.patch_embedder, pixels, ids, padding), stock, "reverted")
+    assert lookups == ["auto"]
+
+
 @pytest.mark.parametrize("patch_embedder", [False, True], ids=["lookup_alone", "patch_embed"])
 def test_negative_ids_that_are_not_padding_run_as_stock(patch_embedder):
     """Stock clamps any negative id to 0 and pads only (-1, -1) patches; a patched tower takes the same ids."""
@@ -223,11 +258,14 @@ def test_autocast_keeps_stock_rounding():
     padding = (ids == -1).all(-1)
     with torch.no_grad(), torch.autocast(DEVICE.type, dtype=torch.bfloat16):
         stock_embeds = tower.patch_embedder(pixels, ids, padding)
+        stock_lookup = tower.patch_embedder._position_embeddings(ids, padding)
         stock = run_tower(tower, pixels, ids)
         apply_fused_vision_to_gemma4(tower)
         embeds = tower.patch_embedder(pixels, ids, padding)
+        lookup = tower.patch_embedder._position_embeddings(ids, padding)
         fused = run_tower(tower, pixels, ids)
     assert_bit_identical(embeds, stock_embeds, "patch embedder under autocast")
+    assert_bit_identical(lookup, stock_lookup, "the embedder's lookup under autocast")
     assert_bit_identical(fused, stock, "tower under autocast")
 
 
@@ -270,9 +308,11 @@ def test_class_patch_reaches_towers_built_before_and_after():
         assert "fused_vision=pool_by_positions(backend=auto)" in repr(tower.pooler)
         assert_close(run_tower(tower, pixels, ids), stock, **FP32_CLOSE, what="class-patched tower")
     assert modeling.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
+    assert modeling.Gemma4VisionPatchEmbedder._position_embeddings is fg._embedder_position_embeddings
 
     assert revert_fused_vision_gemma4() == 2
     assert modeling.Gemma4VisionPatchEmbedder.forward is fg._stock("embedder", "forward")
+    assert modeling.Gemma4VisionPatchEmbedder._position_embeddings is fg._stock("embedder", "_position_embeddings")
     assert "fused_vision" not in repr(after)
     assert_bit_identical(run_tower(after, pixels, ids), stock, "reverted tower")
 

@@ -211,10 +211,11 @@ def test_lookup_alone_is_bit_identical(sgl, dtype):
     embedder = make_embedder(sgl, dtype)
     pixels, ids, padding = inputs(dtype)
     with torch.no_grad():
-        stock = embedder(pixels, ids, padding)
+        stock, stock_lookup = embedder(pixels, ids, padding), embedder._position_embeddings(ids, padding)
         assert apply_fused_vision_to_sglang_gemma4(embedder, patch_embedder=False, pooler=False) == 1
-        fused = embedder(pixels, ids, padding)
+        fused, lookup = embedder(pixels, ids, padding), embedder._position_embeddings(ids, padding)
     assert_bit_identical(fused, stock, "SGLang patch embedder, lookup alone")
+    assert_bit_identical(lookup, stock_lookup, "SGLang embedder's _position_embeddings")
 
 
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
