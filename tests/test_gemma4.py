@@ -317,6 +317,26 @@ def test_class_patch_reaches_towers_built_before_and_after():
     assert_bit_identical(run_tower(after, pixels, ids), stock, "reverted tower")
 
 
+def test_an_embedder_without_the_lookup_method_gets_none(monkeypatch):
+    """A release whose embedder has no ``_position_embeddings`` (say, its lookup inlined into forward):
+    the patch installs the forward alone, and the revert leaves the class as it found it."""
+    embedder_cls = modeling.Gemma4VisionPatchEmbedder
+    fg._onehot_lookup()  # cached: told from the real class before the method goes
+    tower = make_tower()
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    stock = run_tower(tower, pixels, ids)
+    monkeypatch.delattr(embedder_cls, "_position_embeddings")
+
+    assert apply_fused_vision_to_gemma4(pooler=False) == 1
+    assert embedder_cls.forward is fg._embedder_forward
+    assert not hasattr(embedder_cls, "_position_embeddings")
+    assert not hasattr(embedder_cls, fg._STOCK_SLOTS["_position_embeddings"])
+    assert_close(run_tower(tower, pixels, ids), stock, **FP32_CLOSE, what="tower whose embedder has no lookup method")
+    assert revert_fused_vision_gemma4() == 1
+    assert "_position_embeddings" not in embedder_cls.__dict__
+    assert not any(name.startswith("_fused_vision") for name in embedder_cls.__dict__)
+
+
 def test_vllm_plugin_is_registered_and_opt_in(monkeypatch):
     (entry_point,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.value.startswith("fused_vision")]
     plugin = entry_point.load()
