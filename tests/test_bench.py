@@ -19,7 +19,7 @@ from fused_vision.bench import Case, report, runner, targets
 from fused_vision.bench.ops import STEM_OPS, Lookup, LookupBackward, PatchEmbed, PatchEmbedBackward, Pooler, PoolerBackward
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
-from conftest import DEVICE
+from conftest import DEVICE, TIME_BOXED
 
 REQUIRED_COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype", "ms_p50", "ms_p20", "ms_p80", "peak_bytes", "model_bytes",
@@ -174,10 +174,9 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
 def test_sigint_mid_run_writes_the_reports(tmp_path):
     """What a time box does to the bench (bench/h200.sh's ``timeout``): a real SIGINT mid-run."""
     out = tmp_path / "bench"
-    # Under ``timeout``, as h200.sh runs it: it gives the bench default SIGINT handling even where this
-    # process ignores SIGINT, and passes on the signal it gets. The device's own cases (not --tiny):
-    # 20 measurements of ~0.5 s on a CPU, so the signal lands mid-run.
-    command = ["timeout", "--foreground", "-s", "INT", "-k", "15", "300", sys.executable, "-m", "fused_vision"]
+    # Time-boxed as h200.sh runs it; ``timeout`` passes on the signal it gets. The device's own cases (not
+    # --tiny): 20 measurements of ~0.5 s on a CPU, so the signal lands mid-run.
+    command = [*TIME_BOXED, sys.executable, "-m", "fused_vision"]
     command += ["bench", "--device", DEVICE.type, "--quick", "--hidden", "64", "--ops", "stem"]
     command += ["--providers", "onehot,embedding", "--out", str(out)]
     child = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import DEVICE
+from conftest import DEVICE, TIME_BOXED
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -109,10 +109,8 @@ def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
 
 def start_gpu_tests(out, test_file, shards, **env):
     """bench/gpu_tests.py over ``test_file`` in ``shards`` processes, started; returns the process."""
-    # Under ``timeout``, as h200.sh runs it: the runner gets default SIGINT handling (a KeyboardInterrupt)
-    # even where pytest was started with SIGINT ignored, as a shell's ``cmd &`` without job control does.
-    command = ["timeout", "--foreground", "-s", "INT", "-k", "15", "300", sys.executable]
-    command += [str(ROOT / "bench" / "gpu_tests.py"), "--out", str(out), "--shards", str(shards)]
+    command = [*TIME_BOXED, sys.executable, str(ROOT / "bench" / "gpu_tests.py")]
+    command += ["--out", str(out), "--shards", str(shards)]
     command += ["--", "-p", "no:cacheprovider", str(test_file)]
     env = {**os.environ, **env}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
