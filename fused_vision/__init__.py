@@ -3,9 +3,9 @@
 from importlib.metadata import PackageNotFoundError, version as _version
 
 from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
-from .patch_embed import patch_embed
-from .pooler import pool_by_positions
-from .position_embedding import position_embeddings
+from .ops.patch_embed import patch_embed
+from .ops.pool_by_positions import pool_by_positions
+from .ops.position_embeddings import position_embeddings
 from .sglang import apply_fused_vision_to_sglang_gemma4
 
 try:

@@ -33,9 +33,9 @@ from torch import nn
 
 from ._dispatch import BACKENDS
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES
-from .patch_embed import patch_embed as _fused_patch_embed
-from .pooler import pool_by_positions as _fused_pool_by_positions
-from .position_embedding import position_embeddings as _fused_position_embeddings
+from .ops.patch_embed import patch_embed as _fused_patch_embed
+from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
+from .ops.position_embeddings import position_embeddings as _fused_position_embeddings
 
 __all__ = ["apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "encode_images", "vllm_plugin"]
 

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from .gemma4 import _STATE, _apply, _lookup_is_onehot, _pooler_runs_fused, _stock_method
-from .pooler import pool_by_positions as _fused_pool_by_positions
+from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 
 __all__ = ["apply_fused_vision_to_sglang_gemma4", "sglang_plugin"]
 

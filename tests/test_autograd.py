@@ -10,11 +10,11 @@ import torch.autograd.forward_ad as fwAD
 
 import fused_vision
 from fused_vision import _dispatch, reference
-from fused_vision.kernels import position_embedding as lookup_kernel
+from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from test_patch_embed import make_inputs
-from test_pooler import image_ids, make_batch
+from test_pool_by_positions import image_ids, make_batch
 from test_position_embeddings import make_ids
 
 BACKENDS = ["triton", "reference"]
@@ -148,7 +148,7 @@ def test_deterministic_algorithms_keep_the_table_gradient_off_the_atomics(monkey
     def no_atomics(*args):
         raise AssertionError("the atomic table-gradient kernel ran under deterministic algorithms")
 
-    monkeypatch.setattr(lookup_kernel, "table_grad", no_atomics)
+    monkeypatch.setattr(position_embeddings_kernels, "table_grad", no_atomics)
     torch.use_deterministic_algorithms(True)
     try:
         fused_vision.position_embeddings(table, ids, backend="triton").backward(grad_out)

@@ -26,7 +26,7 @@ modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
 import fused_vision.gemma4 as fg  # noqa: E402
 import fused_vision.planner as planner  # noqa: E402
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4  # noqa: E402
-from fused_vision.position_embedding import position_embeddings as fused_position_embeddings  # noqa: E402
+from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings  # noqa: E402
 
 ONEHOT_ENV = "FUSED_VISION_TRANSFORMERS_ONEHOT"
 EXPECT_ONEHOT_ENV = "FUSED_VISION_EXPECT_ONEHOT_ERA"  # set by the subprocess run

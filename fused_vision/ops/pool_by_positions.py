@@ -2,13 +2,13 @@
 
 import torch
 
-from . import reference
-from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from ._validation import check_pool_inputs, id_checks_enabled
+from .. import reference
+from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
+from .._validation import check_pool_inputs, id_checks_enabled
 
 
 def _triton(hidden_states, position_ids, padding_positions, output_length, round_average):
-    from .kernels.pooler import pool_by_positions as launch
+    from ..kernels.pool_by_positions import pool_by_positions as launch
 
     seq_len = hidden_states.shape[1]
     if seq_len == output_length:  # no pooling: stock's masked scale, nothing for a kernel to fuse
@@ -61,7 +61,7 @@ def _(hidden_states, position_ids, padding_positions, output_length, round_avera
 
 
 def _triton_backward(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype, round_average):
-    from .kernels.pooler import hidden_states_grad as launch
+    from ..kernels.pool_by_positions import hidden_states_grad as launch
 
     seq_len = position_ids.shape[1]
     if seq_len == output_length:  # no pooling: a scale and a mask, nothing for a kernel to fuse
