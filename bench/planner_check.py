@@ -36,7 +36,7 @@ from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 
 from fused_vision.bench.tower import VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
-from fused_vision.gemma4 import _planner_path as planner_path
+from fused_vision.encoding import planner_path
 from fused_vision.planner import transient_bytes_per_item
 
 TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
