@@ -26,7 +26,7 @@ import sys
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import transformers

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_close
+from op_cases import grid_ids
 
 transformers = pytest.importorskip("transformers")
 modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
@@ -54,13 +55,6 @@ def randomize(module: nn.Module, seed: int) -> nn.Module:
 def make_tower(dtype=torch.float32, seed=0, **config):
     tower = modeling.Gemma4VisionModel(vision_config(**config))
     return randomize(tower, seed).to(DEVICE, dtype).eval()
-
-
-def grid_ids(width, height, seq_len):
-    """Row-major (x fastest) ids of a width x height grid padded with (-1, -1), as the processor lays them."""
-    ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
-    ids = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
-    return torch.cat([ids, torch.full((seq_len - len(ids), 2), -1)])
 
 
 def make_inputs(grids, seq_len, patch_size=2, seed=1):

@@ -10,7 +10,7 @@ from fused_vision._validation import id_checks_enabled
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_table_grad
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
-from test_pool_by_positions import image_ids
+from op_cases import grid_ids
 
 BACKENDS = ["triton", "reference"]
 
@@ -169,7 +169,7 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
     padding = default_padding_positions(ids)
     rows = torch.randn(2, 5, 8, device=DEVICE)
     pixels, weight = torch.rand(2, 5, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
-    pool_ids, pool_padding = image_ids(2, 2, 4)[None].to(DEVICE), torch.zeros(1, 4, dtype=torch.bool, device=DEVICE)
+    pool_ids, pool_padding = grid_ids(2, 2, 4)[None].to(DEVICE), torch.zeros(1, 4, dtype=torch.bool, device=DEVICE)
     hidden_states, grad_pooled = torch.randn(1, 4, 8, device=DEVICE), torch.randn(1, 1, 8, device=DEVICE)
     launches = {
         "position_embeddings": (lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, rows), [table, rows]),

@@ -12,7 +12,7 @@ whole (2, P, D) table and writes a (B, N, 2, P) int64 one-hot on top.
 """
 
 from functools import partial
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F

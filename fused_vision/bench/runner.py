@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
