@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"--out {out}: {exc.strerror or exc}")
-    # python -m, the console script and bench/run.py all come here: record the canonical form.
+    # python -m and the console script both come here: record the canonical form.
     command = "python -m fused_vision " + shlex.join(sys.argv[1:] if argv is None else argv)
     options = Options(
         device=device,
