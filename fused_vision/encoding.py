@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import operator
+import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -181,6 +182,10 @@ def encode_images(
             or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
         max_batch: cap on the items per encoder call.
 
+    A chunk that runs out of memory (``torch.OutOfMemoryError``) is retried at half its size, down to one
+    item, whose error reaches the caller; the bucket's later chunks keep the smaller size, and one
+    ``RuntimeWarning`` per bucket names the sizes. No item is lost or reordered.
+
     Returns:
         A list of (T_i, D) soft tokens in the input order, equal (within floating-point tolerance) to
         running the tower on each item alone. Inputs are moved to the tower's device. Inference only:
@@ -227,18 +232,52 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
                 "lookup, which takes int64 ids only"
             )
         chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
+        shrunk: list[int] = []  # the chunk sizes that ran out of memory
         if max_batch is not None:
             chunk = min(chunk, max_batch)
         chunk = max(1, min(chunk, len(indices)))
-        for start in range(0, len(indices), chunk):
+        start = 0
+        while start < len(indices):
             selected = indices[start : start + chunk]
-            if stacked:  # one bucket holding every item in order: slice, do not copy
-                chunk_pixels = pixel_values[selected[0] : selected[-1] + 1]
-                chunk_ids = pixel_position_ids[selected[0] : selected[-1] + 1]
-            else:
-                chunk_pixels = torch.stack([pixels[i] for i in selected])
-                chunk_ids = torch.stack([ids[i] for i in selected])
-            encoded = _encode_chunk(tower, chunk_pixels.to(device), chunk_ids.to(device))
+            # One item per call is the last resort: its out-of-memory error reaches the caller.
+            encoded = _encode_or_none(tower, pixel_values, pixel_position_ids, pixels, ids, selected, stacked, device)
+            if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
+                shrunk.append(chunk)
+                chunk //= 2
+                _empty_cache(device)
+                continue
             for index, tokens in zip(selected, encoded):
                 outputs[index] = tokens
+            start += len(selected)
+        if shrunk:
+            warnings.warn(
+                f"encode_images: out of memory at {' -> '.join(map(str, shrunk))} items per call of {patches} "
+                f"patches; went on with {chunk}",
+                RuntimeWarning,
+                stacklevel=3,
+            )
     return outputs  # type: ignore[return-value]
+
+
+def _encode_or_none(tower, pixel_values, pixel_position_ids, pixels, ids, selected, stacked, device):
+    """The chunk of items ``selected`` encoded, or None where more than one item ran out of memory."""
+    if stacked:  # one bucket holding every item in order: slice, do not copy
+        chunk_pixels = pixel_values[selected[0] : selected[-1] + 1]
+        chunk_ids = pixel_position_ids[selected[0] : selected[-1] + 1]
+    else:
+        chunk_pixels = torch.stack([pixels[i] for i in selected])
+        chunk_ids = torch.stack([ids[i] for i in selected])
+    try:
+        return _encode_chunk(tower, chunk_pixels.to(device), chunk_ids.to(device))
+    except torch.OutOfMemoryError:
+        if len(selected) == 1:
+            raise
+        return None
+
+
+def _empty_cache(device: torch.device) -> None:
+    """Hand the caching allocator's free blocks back, so the smaller chunk does not meet the same fragments."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    elif device.type != "cpu" and hasattr(torch, device.type):
+        getattr(torch, device.type).empty_cache()

@@ -115,6 +115,67 @@ def test_encode_images_list_of_mixed_sizes(planner_calls):
         assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
 
 
+def out_of_memory_above(monkeypatch, encoder, limit):
+    """The encoder raises torch.OutOfMemoryError on chunks of more than ``limit`` items; returns the
+    chunk sizes it was called with."""
+    sizes, forward = [], encoder.forward
+
+    def limited(*args, inputs_embeds, **kwargs):
+        sizes.append(inputs_embeds.shape[0])
+        if inputs_embeds.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"injected: {inputs_embeds.shape[0]} items")
+        return forward(*args, inputs_embeds=inputs_embeds, **kwargs)
+
+    monkeypatch.setattr(encoder, "forward", limited)
+    return sizes
+
+
+def many_items(count, seed):
+    grids = [GRIDS[i % len(GRIDS)] for i in range(count)]
+    return make_inputs(grids, SEQ_LEN, seed=seed)
+
+
+@pytest.mark.parametrize("stacked", [True, False], ids=["stacked", "listed"])
+def test_encode_images_halves_a_chunk_that_runs_out_of_memory(monkeypatch, stacked):
+    tower = make_tower()
+    apply_fused_vision_to_gemma4(tower)
+    pixels, ids = many_items(7, seed=21)
+    if not stacked:
+        pixels, ids = list(pixels), list(ids)
+    monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)  # all 7 in one call
+    expected = encode_images(tower, pixels, ids)
+    sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=2)
+    with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per call of 64 patches; went on with 1"):
+        got = encode_images(tower, pixels, ids)
+    assert sizes == [7, 3] + [1] * 7, "halved on each error, and the smaller chunk kept for the rest"
+    assert len(got) == len(expected)
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+
+
+def test_encode_images_keeps_the_smaller_chunk_for_the_rest_of_the_bucket(monkeypatch):
+    tower = make_tower()
+    pixels, ids = many_items(5, seed=22)
+    monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)
+    expected = encode_images(tower, pixels, ids)
+    sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=4)
+    with pytest.warns(RuntimeWarning, match=r"out of memory at 5 items per call of 64 patches; went on with 2"):
+        got = encode_images(tower, pixels, ids)
+    assert sizes == [5, 2, 2, 1]
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+
+
+def test_encode_images_reraises_where_one_item_does_not_fit(monkeypatch):
+    tower = make_tower()
+    pixels, ids = many_items(5, seed=23)
+    monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)
+    sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=0)
+    with pytest.raises(torch.OutOfMemoryError, match="injected: 1 items"):
+        encode_images(tower, pixels, ids)
+    assert sizes == [5, 2, 1], "the caller's error, not a retry loop"
+
+
 @pytest.mark.parametrize("fused", [False, True], ids=["stock_tower", "fused_tower"])
 def test_encode_images_uses_the_planner(monkeypatch, fused):
     tower = make_tower()
