@@ -12,8 +12,8 @@
 #                  table gradient)                                                  box 150 s, ~1 to 2 min
 #   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
-#   gpu_tests      the kernel tests on the GPU, in 7 parallel shards (bench/gpu_tests.py: building
-#                  their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
+#   gpu_tests      the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
+#                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
 #                  box is by design and does not fail the call                     box 150 s
 # Bench files land in $OUT directly (6 files); everything else in $OUT/checks.tgz and $OUT/h200.log, so the
 # 8-file limit on what comes back holds. Exits non-zero if any step failed; later steps still run.
@@ -120,7 +120,7 @@ for name in "${steps[@]}"; do
     bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}" ;;
     planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
     # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
-    gpu_tests) step gpu_tests "$python" bench/gpu_tests.py --out "$checks" "${gpu_tests_args[@]}" \
+    gpu_tests) step gpu_tests "$python" bench/tools/pytest_shards.py --out "$checks" "${gpu_tests_args[@]}" \
       -- --maxfail=10 -p no:cacheprovider "${gpu_tests[@]}" ;;
   esac
 done

@@ -107,31 +107,31 @@ def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
     assert len(result.stdout.splitlines()) == 2 + len(orders), result.stdout
 
 
-def start_gpu_tests(out, test_file, shards, **env):
-    """bench/gpu_tests.py over ``test_file`` in ``shards`` processes, started; returns the process."""
-    command = [*TIME_BOXED, sys.executable, str(ROOT / "bench" / "gpu_tests.py")]
+def start_pytest_shards(out, test_file, shards, **env):
+    """bench/tools/pytest_shards.py over ``test_file`` in ``shards`` processes, started; returns the process."""
+    command = [*TIME_BOXED, sys.executable, str(ROOT / "bench" / "tools" / "pytest_shards.py")]
     command += ["--out", str(out), "--shards", str(shards)]
     command += ["--", "-p", "no:cacheprovider", str(test_file)]
     env = {**os.environ, **env}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def test_gpu_tests_run_every_test_in_one_shard(tmp_path):
+def test_pytest_shards_run_every_test_in_one_shard(tmp_path):
     """Shard I of N runs every N-th test from the I-th; a failure in any shard fails the run, and the
     runner prints it with each shard's summary."""
     test_file = tmp_path / "test_seven.py"
     test_file.write_text("import pytest\n@pytest.mark.parametrize('i', range(7))\ndef test_n(i):\n    assert i != 5\n")
-    process = start_gpu_tests(tmp_path / "out", test_file, 3)
+    process = start_pytest_shards(tmp_path / "out", test_file, 3)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 1, output
     for shard in range(3):
-        cases = ElementTree.parse(tmp_path / "out" / f"gpu_tests.{shard}.xml").iter("testcase")
+        cases = ElementTree.parse(tmp_path / "out" / f"shard.{shard}.xml").iter("testcase")
         assert [case.get("name") for case in cases] == [f"test_n[{i}]" for i in range(shard, 7, 3)]
     assert any(line.startswith("FAILED ") and "::test_n[5]" in line for line in output.splitlines()), output
     assert "shard 2: exit 1: 1 failed, 1 passed, 5 deselected" in output, output
 
 
-def test_gpu_tests_pass_an_interrupt_to_every_shard(tmp_path):
+def test_pytest_shards_pass_an_interrupt_to_every_shard(tmp_path):
     """At the time box's SIGINT every shard stops, prints its summary and writes its XML; a shard that
     ignores the SIGINT is killed after the grace period, so no test outlives the runner."""
     started, out = tmp_path / "started", tmp_path / "out"
@@ -146,7 +146,7 @@ def test_gpu_tests_pass_an_interrupt_to_every_shard(tmp_path):
         "    (pathlib.Path(os.environ['STARTED']) / str(shard)).touch()\n"
         "    time.sleep(60)\n"
     )
-    process = start_gpu_tests(out, test_file, 2, STARTED=str(started))
+    process = start_pytest_shards(out, test_file, 2, STARTED=str(started))
     deadline = time.monotonic() + 120
     while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -154,16 +154,16 @@ def test_gpu_tests_pass_an_interrupt_to_every_shard(tmp_path):
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output
     assert "shard 0: exit 2: " in output and f"shard 1: exit {-signal.SIGKILL}: " in output, output
-    assert "KeyboardInterrupt" in (out / "gpu_tests.0.log").read_text()
-    ElementTree.parse(out / "gpu_tests.0.xml")  # written whole on the interrupt
+    assert "KeyboardInterrupt" in (out / "shard.0.log").read_text()
+    ElementTree.parse(out / "shard.0.xml")  # written whole on the interrupt
 
 
-def test_gpu_tests_refuse_a_bad_shard(tmp_path):
+def test_pytest_shards_refuse_a_bad_shard(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_tests", "--shard=2/2", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "pytest_shards", "--shard=2/2", str(tmp_path)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "bench")},  # pytest and the plugin are all it needs
+        env={**os.environ, "PYTHONPATH": str(ROOT / "bench" / "tools")},  # pytest and the plugin are all it needs
         timeout=120,
     )
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
@@ -219,7 +219,7 @@ def test_h200_script_dry_run(tmp_path):
     rest = tuple(step for step in H200_STEPS if step not in H200_FIRST_CALL)
     assert_ran(h200_log(second, 0, *rest), rest)
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "h200.log"]
-    shards = {f"gpu_tests.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
+    shards = {f"shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
     assert archived(second) == {"planner_check.json", "planner_check.csv", *shards}
 
 
