@@ -7,9 +7,9 @@
 #           device tool: run(command="bash bench/h200.sh planner_check gpu_tests", timeout_s=330)
 # Between them, copy call 1's files out of files_at (the next call empties $OUT) and read its log: where a
 # step failed, rerun that step alone in call 2's place. The steps:
-#   gpu_checks     correctness at real shapes (bench/gpu_checks.py: bit-identity at B=32 N=2520 D=1152,
-#                  > 2**31 elements, patch_embed's error vs float64, the pooler (rows past 2**31 too), the
-#                  table gradient)                                                  box 150 s, ~1 to 2 min
+#   gpu_checks     pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
+#                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
+#                  the table gradient), with syncs forbidden and in CUDA graphs    box 150 s, ~1 to 2 min
 #   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
 #   gpu_tests      the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
@@ -20,7 +20,7 @@
 # Each box is cut to what is left before H200_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
 # install and archive, counted from the start), so a slow or hung step costs its own results, not the later
 # steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured,
-# gpu_checks.json and the logs keep every check and planner row that finished.
+# gpu_tests.xml and the logs keep every test and planner row that finished.
 # H200_DRY_RUN=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU
 # under TRITON_INTERPRET=1), so a lease is never spent debugging this script. PYTHON: default python3.
 set -uo pipefail
@@ -31,13 +31,12 @@ python="${PYTHON:-python3}"
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
 gpu_tests=(tests/test_validation.py tests/test_position_embeddings.py tests/test_pooler.py tests/test_patch_embed.py)
 if [ -n "${H200_DRY_RUN:-}" ]; then
-  gpu_checks_args=(--smoke)
+  export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
   bench_args=(--tiny --quick --ops lookup --providers onehot,fused)
   planner_args=(--device cpu --tiny)
   gpu_tests=(tests/test_validation.py)
   gpu_tests_args=(--shards 2)
 else
-  gpu_checks_args=()
   bench_args=(--time-budget 200)
   planner_args=()
   gpu_tests_args=()
@@ -116,7 +115,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 
 for name in "${steps[@]}"; do
   case $name in
-    gpu_checks) step gpu_checks "$python" bench/gpu_checks.py --out "$checks" "${gpu_checks_args[@]}" ;;
+    # xunit1: the XML keeps the figures the tests record (errors against float64, largest differences).
+    gpu_checks) step gpu_checks "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
+      -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" tests/gpu ;;
     bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}" ;;
     planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
     # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.

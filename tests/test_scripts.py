@@ -1,6 +1,5 @@
 """The GPU scripts run their own code at tiny sizes here, so the H200 run does not debug them."""
 
-import json
 import os
 import runpy
 import signal
@@ -18,48 +17,57 @@ from conftest import DEVICE, TIME_BOXED
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_checks_smoke(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "gpu_checks.json").read_text())
-    assert len(report["results"]) == 17 and all(row["ok"] for row in report["results"])
+def run_gpu_tests_smoke(out, expected_code, *pytest_args, **env):
+    """tests/gpu at tiny sizes (FUSED_VISION_GPU_TESTS_SMOKE=1), with JUnit XML as bench/gpu_run.sh writes it;
+    returns the XML's path."""
+    xml = out / "gpu_tests.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *pytest_args]
+    command += ["-o", "junit_family=xunit1", "--junitxml", str(xml), str(ROOT / "tests" / "gpu")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSED_VISION_GPU_TESTS_SMOKE": "1", **env}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == expected_code, result.stdout + result.stderr
+    return xml
 
 
-def test_gpu_checks_fail_where_auto_falls_back_to_the_reference(tmp_path):
-    """Two checks call the ops with backend "auto", as the patched model does: if a kernel fails there the
-    reference runs and can pass the check, so the script must report the fallback and fail."""
-    broken_lookup = (
-        "import runpy, sys\n"
-        "from fused_vision.kernels import position_embedding\n"
+def outcomes(xml):
+    """Each test's failures, errors and skips in JUnit XML, as (kind, message) pairs: none where it passed.
+    (A test that fails, then errors at teardown, has a <testcase> for each.)"""
+    found = {}
+    for case in ElementTree.parse(xml).iter("testcase"):
+        problems = [(child.tag, child.get("message")) for child in case if child.tag in ("failure", "error", "skipped")]
+        found.setdefault(case.get("name"), []).extend(problems)
+    return found
+
+
+def test_gpu_tests_smoke(tmp_path):
+    """Every GPU test runs and passes at tiny sizes, and the XML keeps the figures they record."""
+    xml = run_gpu_tests_smoke(tmp_path, 0)
+    results = outcomes(xml)
+    assert len(results) == 17 and not any(results.values()), results
+    patch_embed = "test_patch_embed_as_accurate_as_stock_against_float64[bfloat16]"
+    case = next(case for case in ElementTree.parse(xml).iter("testcase") if case.get("name") == patch_embed)
+    assert {prop.get("name") for prop in case.iter("property")} == {"fused_error", "stock_error"}
+
+
+def test_gpu_tests_fail_where_auto_falls_back_to_the_reference(tmp_path):
+    """Three tests call the ops with backend "auto", as the patched model does: if a kernel fails there the
+    reference runs and can pass the test, so the test must report the fallback and fail."""
+    (tmp_path / "broken_lookup.py").write_text(
+        "from fused_vision.kernels import position_embedding as kernel\n"
         "def broken(*args, **kwargs):\n"
         "    raise RuntimeError('simulated launch failure')\n"
-        "position_embedding.position_embeddings = broken\n"
-        f"sys.argv = ['gpu_checks.py', '--smoke', '--out', {str(tmp_path)!r}]\n"
-        f"runpy.run_path({str(ROOT / 'bench' / 'gpu_checks.py')!r}, run_name='__main__')\n"
+        "kernel.position_embeddings = broken\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", broken_lookup],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        timeout=300,
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    rows = {row["check"]: row for row in json.loads((tmp_path / "gpu_checks.json").read_text())["results"]}
-    for check in ("check_no_sync_where_syncs_are_forbidden", "check_cuda_graph_replay"):
-        row = rows[f"{check}_ran_the_kernels"]
-        assert not row["ok"] and "position_embeddings on cpu" in row["error"], row
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    results = outcomes(run_gpu_tests_smoke(tmp_path, 1, "-p", "broken_lookup", PYTHONPATH=pythonpath))
+    fell_back = f"backend 'auto' fell back to the reference: position_embeddings on {DEVICE.type}"
+    no_sync = "test_no_sync_where_syncs_are_forbidden[position_embeddings]"
+    for name in ("test_replay_on_new_inputs_matches_eager", "test_capture_at_a_new_batch_size_matches_eager", no_sync):
+        assert any(kind == "error" and fell_back in message for kind, message in results[name]), results[name]
     # On a GPU the reference would meet the out-of-range id unchecked, a device-side assert that no later
-    # check survives: the check stops before that call.
-    row = rows["check_no_sync_where_syncs_are_forbidden"]
-    assert "lookup: 'auto' fell back to the reference" in row["error"], row
+    # test survives: the test stops before that call.
+    stopped = "position_embeddings: 'auto' fell back to the reference, which must not meet out-of-range ids"
+    assert any(kind == "failure" and stopped in message for kind, message in results[no_sync]), results[no_sync]
 
 
 def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
@@ -215,7 +223,7 @@ def test_h200_script_dry_run(tmp_path):
     second.mkdir()
     assert_ran(h200_log(first, 0), H200_FIRST_CALL)
     assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "h200.log"])
-    assert archived(first) == {"gpu_checks.json"}
+    assert archived(first) == {"gpu_tests.xml"}
     rest = tuple(step for step in H200_STEPS if step not in H200_FIRST_CALL)
     assert_ran(h200_log(second, 0, *rest), rest)
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "h200.log"]
