@@ -1,4 +1,4 @@
-"""The GPU scripts run their own code at tiny sizes here, so the H200 run does not debug them."""
+"""The GPU run's scripts and tests run their own code at tiny sizes here, so a GPU run does not debug them."""
 
 import os
 import runpy
@@ -105,8 +105,9 @@ def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
     split = script["split_name"]
     assert error["K blocks of 32, summed in fp64 (fused)"] < error[split(4)] < error[split(1)], error
 
+    small = ["--rows", "4", "--cols", "3", "--features", "40", "--seeds", "2"]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "fp32_accumulation.py"), "--rows", "4", "--cols", "3", "--features", "40", "--seeds", "2"],
+        [sys.executable, str(ROOT / "bench" / "fp32_accumulation.py"), *small],
         capture_output=True,
         text=True,
         timeout=60,
@@ -178,26 +179,31 @@ def test_pytest_shards_refuse_a_bad_shard(tmp_path):
     assert "--shard: expected I/N with 0 <= I < N, got '2/2'" in result.stderr, result.stderr
 
 
-H200_STEPS = ("gpu_checks", "bench", "planner_check", "gpu_tests")
-H200_FIRST_CALL = ("gpu_checks", "bench")  # what a call naming no steps runs
+GPU_RUN_STEPS = ("gpu_tests", "bench", "planner_check", "kernel_tests")
+GPU_RUN_DEFAULT_STEPS = ("gpu_tests", "bench")  # what a call naming no steps runs
 BENCH_FILES = ["log.txt", "low_memory.csv", "results.csv", "results.md", "time.png"]
 BENCH_FILES += ["memory.png"] if DEVICE.type == "cuda" else []  # peaks are measured on CUDA only
 
 
-def run_h200_dry(out, expected_code, *steps, **env):
-    """bench/h200.sh at toy sizes into ``out``, with ``steps`` as its arguments; returns the finished process."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "H200_DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable, **env}
+def run_gpu_run_dry(expected_code, *args, cwd, **env):
+    """bench/gpu_run.sh at toy sizes from ``cwd`` with ``args``; returns the finished process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GPU_RUN_DRY": "1", "PYTHON": sys.executable, **env}
     result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "h200.sh"), *steps], capture_output=True, text=True, env=env, timeout=600
+        ["bash", str(ROOT / "bench" / "gpu_run.sh"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
     )
     assert result.returncode == expected_code, result.stdout + result.stderr
     return result
 
 
-def h200_log(out, expected_code, *steps, **env):
-    """The log of ``run_h200_dry``."""
-    run_h200_dry(out, expected_code, *steps, **env)
-    return (out / "h200.log").read_text()
+def gpu_run_log(out, expected_code, *args, **env):
+    """The log of ``run_gpu_run_dry`` into ``out``."""
+    run_gpu_run_dry(expected_code, *args, cwd=out.parent, **env)
+    return (out / "gpu_run.log").read_text()
 
 
 def assert_ran(log, steps):
@@ -209,52 +215,58 @@ def assert_ran(log, steps):
 
 
 def archived(out):
-    """The names of the files in ``out``'s checks.tgz."""
+    """The paths of the files in ``out``'s checks.tgz."""
     with tarfile.open(out / "checks.tgz") as archive:
-        return {Path(member.name).name for member in archive.getmembers() if member.isfile()}
+        return {os.path.normpath(member.name) for member in archive.getmembers() if member.isfile()}
 
 
-def test_h200_script_dry_run(tmp_path):
-    """bench/h200.sh end to end at toy sizes, as a lease makes it in two calls: with no arguments the
-    install, the correctness checks and the bench (what the issues need first); then the other two steps,
-    into an emptied $OUT as the device tool empties it. Each call hands back its files within the 8-file limit."""
+def test_gpu_run_dry_run(tmp_path):
+    """bench/gpu_run.sh end to end at toy sizes, in its two calls: with no steps named the install, the GPU
+    tests and the bench; then the other two steps, into a folder of their own (named by GPU_RUN_OUT this
+    time). Each keeps the folder to a few files: the bench's, the log, and an archive of the rest."""
     first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    assert_ran(h200_log(first, 0), H200_FIRST_CALL)
-    assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "h200.log"])
+    assert_ran(gpu_run_log(first, 0, "--out", str(first)), GPU_RUN_DEFAULT_STEPS)
+    assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "gpu_run.log"])
     assert archived(first) == {"gpu_tests.xml"}
-    rest = tuple(step for step in H200_STEPS if step not in H200_FIRST_CALL)
-    assert_ran(h200_log(second, 0, *rest), rest)
-    assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "h200.log"]
-    shards = {f"shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
+    rest = tuple(step for step in GPU_RUN_STEPS if step not in GPU_RUN_DEFAULT_STEPS)
+    assert_ran(gpu_run_log(second, 0, *rest, GPU_RUN_OUT=str(second)), rest)
+    assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "gpu_run.log"]
+    shards = {f"kernel_tests/shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
     assert archived(second) == {"planner_check.json", "planner_check.csv", *shards}
 
 
-def test_h200_script_refuses_an_unknown_step(tmp_path):
-    result = run_h200_dry(tmp_path, 2, "bench", "gpu_check")
-    assert "unknown step 'gpu_check'" in result.stderr and "gpu_checks, bench" in result.stderr, result.stderr
+def test_gpu_run_refuses_an_unknown_step_or_option(tmp_path):
+    result = run_gpu_run_dry(2, "--out", str(tmp_path), "bench", "gpu_test", cwd=tmp_path)
+    assert "unknown step 'gpu_test'" in result.stderr and "gpu_tests, bench" in result.stderr, result.stderr
+    result = run_gpu_run_dry(2, "--outdir", str(tmp_path), cwd=tmp_path)
+    assert "unknown option '--outdir'" in result.stderr, result.stderr
     assert not any(tmp_path.iterdir()), "nothing ran"
 
 
-def test_h200_script_past_its_deadline_skips_steps_and_still_archives(tmp_path):
-    """With no time left before H200_DEADLINE_S, every step is skipped and said so, the run fails, and the
-    archive and log still come back."""
-    log = h200_log(tmp_path, 1, *H200_STEPS, H200_DEADLINE_S="0")
-    for step in H200_STEPS:
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CUDA GPU is here")
+def test_gpu_run_stops_without_a_gpu_unless_dry(tmp_path):
+    """Without CUDA the GPU tests skip, which pytest counts a pass: a run that is not dry stops first."""
+    log = gpu_run_log(tmp_path / "out", 2, "--out", "out", GPU_RUN_DRY="0")
+    assert "no CUDA GPU here" in log and "===" not in log, log
+
+
+def test_gpu_run_past_its_deadline_skips_steps_and_still_archives(tmp_path):
+    """With no time left before GPU_RUN_DEADLINE_S, every step is skipped and said so, the run fails, and the
+    archive and log are still written (into an --out relative to the caller's folder)."""
+    log = gpu_run_log(tmp_path / "out", 1, "--out", "out", *GPU_RUN_STEPS, GPU_RUN_DEADLINE_S="0")
+    for step in GPU_RUN_STEPS:
         assert f"=== {step} skipped: " in log and f"=== {step} took" not in log, log
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["checks.tgz", "h200.log"]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checks.tgz", "gpu_run.log"]
 
 
-def test_h200_script_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
-    """The device has no registry: should the offline install fail, the steps still run, from a copy of the
-    source in the installed layout (fused_vision.kernels from kernels/)."""
+def test_gpu_run_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
+    """Where pip cannot install offline, the steps still run, from a copy of the source in the installed
+    layout (fused_vision.kernels from kernels/)."""
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 1\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     out = tmp_path / "out"
-    out.mkdir()
-    log = h200_log(out, 0, *H200_STEPS, PYTHON=str(python))
+    log = gpu_run_log(out, 0, "--out", str(out), *GPU_RUN_STEPS, PYTHON=str(python))
     staged = log.split("running from a staged copy of the source in ")[1].split()[0]
     assert f"from {staged}/fused_vision " in log, "the steps import the staged copy"
-    assert_ran(log, H200_STEPS)
+    assert_ran(log, GPU_RUN_STEPS)

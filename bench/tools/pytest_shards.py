@@ -1,4 +1,4 @@
-"""Run pytest in parallel shards on one machine: the kernel tests on the GPU (h200.sh's gpu_tests step).
+"""Run pytest in parallel shards on one machine: the kernel tests on the GPU (bench/gpu_run.sh's kernel_tests step).
 
 Their time goes to building kernels, not running them: ~216 kernels, which took ~250 s to build for sm_90
 on this project's 2-core CPU machine, then seconds on the GPU. A process builds one kernel at a time, so N
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-GRACE_S = 10  # h200.sh kills this runner 15 s after its SIGINT
+GRACE_S = 10  # gpu_run.sh kills this runner 15 s after its SIGINT
 # Prime: a parameter of 2 to 6 values cycling in step with the shards would give some shards every test of
 # one value (8 shards: every `triton` test of a triton/reference pair to the even ones, every build to 4 cores).
 DEFAULT_SHARDS = 7

@@ -1,70 +1,83 @@
 #!/usr/bin/env bash
-# The H200 run, in device calls short enough that a lease (15 min of device time, start-up included) keeps
-# room to rerun one. Each call names its steps; with none it makes the one the issues need first:
-#   call 1  bash bench/h200.sh                            gpu_checks + bench          ~5.5 min, box 450 s
-#           device tool: run(command="bash bench/h200.sh", timeout_s=480)
-#   call 2  bash bench/h200.sh planner_check gpu_tests    the other two               ~2.5 min, box 300 s
-#           device tool: run(command="bash bench/h200.sh planner_check gpu_tests", timeout_s=330)
-# Between them, copy call 1's files out of files_at (the next call empties $OUT) and read its log: where a
-# step failed, rerun that step alone in call 2's place. The steps:
-#   gpu_checks     pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
+# A GPU run in steps of a few minutes each, in the order named, each in a time box:
+#   bash bench/gpu_run.sh [--out DIR] [STEP...]
+# A full run takes two calls. With no step named, the correctness tests at real shapes, then the benchmark:
+#   bash bench/gpu_run.sh                              gpu_tests bench                ~5.5 min, box 450 s
+#   bash bench/gpu_run.sh planner_check kernel_tests   the other two                  ~2.5 min, box 300 s
+# Where a step failed, rerun it alone. The steps:
+#   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
 #                  the table gradient), with syncs forbidden and in CUDA graphs    box 150 s, ~1 to 2 min
 #   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
-#   gpu_tests      the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
+#   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
 #                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
-#                  box is by design and does not fail the call                     box 150 s
-# Bench files land in $OUT directly (6 files); everything else in $OUT/checks.tgz and $OUT/h200.log, so the
-# 8-file limit on what comes back holds. Exits non-zero if any step failed; later steps still run.
-# Each box is cut to what is left before H200_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
+#                  box is by design and does not fail the run                      box 150 s
+# Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
+# checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs), so DIR holds few files.
+# Exits non-zero if any step failed; later steps still run.
+# Each box is cut to what is left before GPU_RUN_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
 # install and archive, counted from the start), so a slow or hung step costs its own results, not the later
-# steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured,
-# gpu_tests.xml and the logs keep every test and planner row that finished.
-# H200_DRY_RUN=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU
-# under TRITON_INTERPRET=1), so a lease is never spent debugging this script. PYTHON: default python3.
+# steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured, the XML
+# and the logs keep every test and planner row that finished.
+# GPU_RUN_DRY=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU under
+# TRITON_INTERPRET=1), to test this script. PYTHON: default python3.
 set -uo pipefail
-cd "$(dirname "$0")/.."
-out="$(realpath -m "${OUT:-bench/out/h200}")"  # absolute: the steps may run from a staged copy (below)
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${GPU_RUN_OUT:-$root/bench/out/gpu_run}"
+steps=()
+while [ "$#" -gt 0 ]; do
+  case $1 in
+    --out)
+      [ "$#" -ge 2 ] || { echo "gpu_run.sh: --out needs a folder" >&2; exit 2; }
+      out=$2; shift 2 ;;
+    --out=*) out=${1#--out=}; shift ;;
+    -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -*) echo "gpu_run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) steps+=("$1"); shift ;;
+  esac
+done
+out="$(realpath -m "$out")"  # absolute, from the caller's folder: the steps run from the root or a staged copy
+cd "$root" || exit 1
 python="${PYTHON:-python3}"
+dry=${GPU_RUN_DRY:-0}
 # Fastest to compile first, so the box cuts the slowest: a lookup kernel builds in under a second, each
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
-gpu_tests=(tests/test_validation.py tests/test_position_embeddings.py tests/test_pooler.py tests/test_patch_embed.py)
-if [ -n "${H200_DRY_RUN:-}" ]; then
+kernel_tests=(tests/test_validation.py tests/test_position_embeddings.py tests/test_pooler.py tests/test_patch_embed.py)
+if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
   bench_args=(--tiny --quick --ops lookup --providers onehot,fused)
   planner_args=(--device cpu --tiny)
-  gpu_tests=(tests/test_validation.py)
-  gpu_tests_args=(--shards 2)
+  kernel_tests=(tests/test_validation.py)
+  shards_args=(--shards 2)
 else
   bench_args=(--time-budget 200)
   planner_args=()
-  gpu_tests_args=()
+  shards_args=()
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
-declare -A box=([gpu_checks]=150 [bench]=270 [planner_check]=120 [gpu_tests]=150)
-steps=("$@")
-[ "${#steps[@]}" -gt 0 ] || steps=(gpu_checks bench)
+declare -A box=([gpu_tests]=150 [bench]=270 [planner_check]=120 [kernel_tests]=150)
+[ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do
   if [ -z "${box[$name]:-}" ]; then
-    echo "h200.sh: unknown step '$name': expected any of gpu_checks, bench, planner_check, gpu_tests" >&2
+    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests" >&2
     exit 2
   fi
   default_deadline=$((default_deadline + box[$name]))
 done
-deadline=$((SECONDS + ${H200_DEADLINE_S:-$default_deadline}))
+deadline=$((SECONDS + ${GPU_RUN_DEADLINE_S:-$default_deadline}))
 checks="$(mktemp -d)"
 mkdir -p "$out"
-exec > >(tee "$out/h200.log") 2>&1
+exec > >(tee "$out/gpu_run.log") 2>&1
 tee_pid=$!
 # bash does not wait for a process substitution: close its pipe and wait, so the log is whole on exit.
 trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT
 export PYTHONUNBUFFERED=1
 export TRITON_PRINT_AUTOTUNING=1  # the log keeps each key's winning tile, to prune the candidates later
 
-archive() {  # after every step, run or skipped: a run cut short still brings back the finished steps' files
-  tar -czf "$checks.tgz" -C "$checks" . && mv "$checks.tgz" "$out/checks.tgz"  # built outside $OUT: no 9th file
+archive() {  # after every step, run or skipped: a run cut short still keeps the finished steps' files
+  tar -czf "$checks.tgz" -C "$checks" . && mv "$checks.tgz" "$out/checks.tgz"  # built outside DIR, moved whole
 }
 
 status=0
@@ -86,7 +99,7 @@ step() {  # step NAME COMMAND...: run, time-box, time and record one step withou
   if [ "$code" -eq 124 ]; then
     echo "=== $name reached its time box (what ran is in the log and its report)"
     # Only the kernel tests may stop short by design; a checking step cut short did not check everything.
-    [ "$name" = gpu_tests ] || status=1
+    [ "$name" = kernel_tests ] || status=1
   elif [ "$code" -eq 137 ]; then
     echo "=== $name KILLED: still running 15 s after its time box's SIGINT"
     status=1
@@ -98,11 +111,16 @@ step() {  # step NAME COMMAND...: run, time-box, time and record one step withou
   archive
 }
 
-# The device reaches no registry: --no-index keeps pip from trying one (its version check included), and
-# the install builds with the setuptools it has. Where it cannot (an old setuptools), the steps run in a
-# copy of the tree laid out as installed (fused_vision.kernels from kernels/), rather than lose the lease
-# to a packaging error; only the version then reads 0+unknown. The copy is also the working directory,
-# which `python -m` puts first.
+# The steps are for a GPU (without one the GPU tests skip, which pytest counts a pass): stop before installing.
+if [ "$dry" = 0 ] && ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_run.sh: no CUDA GPU here (GPU_RUN_DRY=1 runs the steps at toy sizes on any machine)"
+  exit 2
+fi
+# A GPU machine may reach no package index: --no-index keeps pip from trying one (its version check
+# included), and the install builds with the setuptools it has. Where it cannot (an old setuptools), the
+# steps run in a copy of the tree laid out as installed (fused_vision.kernels from kernels/), rather than
+# lose the run to a packaging error; only the version then reads 0+unknown. The copy is also the working
+# directory, which `python -m` puts first.
 if ! "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
   staged="$(mktemp -d)"
   cp -r pyproject.toml fused_vision bench tests "$staged/" && cp -r kernels "$staged/fused_vision/kernels" || exit 1
@@ -116,13 +134,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 for name in "${steps[@]}"; do
   case $name in
     # xunit1: the XML keeps the figures the tests record (errors against float64, largest differences).
-    gpu_checks) step gpu_checks "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
+    gpu_tests) step gpu_tests "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
       -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" tests/gpu ;;
     bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}" ;;
     planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
     # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
-    gpu_tests) step gpu_tests "$python" bench/tools/pytest_shards.py --out "$checks" "${gpu_tests_args[@]}" \
-      -- --maxfail=10 -p no:cacheprovider "${gpu_tests[@]}" ;;
+    kernel_tests) step kernel_tests "$python" bench/tools/pytest_shards.py --out "$checks/kernel_tests" \
+      "${shards_args[@]}" -- --maxfail=10 -p no:cacheprovider "${kernel_tests[@]}" ;;
   esac
 done
 
