@@ -1,4 +1,4 @@
-"""Check fused_vision.planner's memory model against real forwards of Gemma 4's vision tower (issue #3).
+"""Check fused_vision.planner's memory model against real forwards of Gemma 4's vision tower.
 
 Builds the 26B/31B vision tower from its config with random weights (nothing is downloaded), runs
 forwards for images (280 soft tokens, 2520 patches) and video frames (70 soft tokens, 630 patches)
@@ -11,7 +11,7 @@ checked as upper bounds only.
     python bench/planner_check.py                        # CUDA: torch.cuda.max_memory_allocated
     python bench/planner_check.py --device cpu --tiny    # a small tower, live tensors tracked on the CPU
 
-Results go to --out (default $OUT, else bench/out) as planner_check.csv and planner_check.json. Needs
+Results go to --out (default bench/out) as planner_check.csv and planner_check.json. Needs
 fused_vision importable (``pip install --no-deps --no-build-isolation -e .``) and transformers >= 5.5.
 """
 
@@ -26,7 +26,7 @@ import sys
 import weakref
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import transformers
@@ -36,12 +36,12 @@ from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 
 from fused_vision.bench.tower import VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
-from fused_vision.gemma4 import _planner_path as planner_path
+from fused_vision.encoding import planner_path
 from fused_vision.planner import transient_bytes_per_item
 
 TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
 
-# Shapes of SPEC §2. The tiny tower keeps the real one's ratios (I ≈ 3.7·D, heads·head_dim = D) with a
+# The released checkpoints' shapes. The tiny tower keeps the real one's ratios (I ≈ 3.7·D, heads·head_dim = D) with a
 # patch small enough that, as at full size, the encoder layers rather than the pixel prescale peak.
 GEMMA4_26B_31B = dict(
     VISION_TOWERS["tower_26b_31b"],
@@ -201,8 +201,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tiny", action="store_true", help="a small tower with the real one's proportions")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     parser.add_argument("--attn", default="sdpa", choices=("sdpa", "eager"), help="attn_implementation")
-    default_out = os.environ.get("OUT") or str(Path(__file__).resolve().parent / "out")
-    parser.add_argument("--out", type=Path, default=Path(default_out), help="results directory (default: $OUT, else bench/out)")
+    default_out = Path(__file__).resolve().parent / "out"
+    parser.add_argument("--out", type=Path, default=default_out, help="results directory (default: bench/out)")
     return parser.parse_args(argv)
 
 

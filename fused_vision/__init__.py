@@ -2,11 +2,12 @@
 
 from importlib.metadata import PackageNotFoundError, version as _version
 
+from .encoding import encode_images
 from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
-from .patch_embed import patch_embed
-from .pooler import pool_by_positions
-from .position_embedding import position_embeddings
-from .sglang import apply_fused_vision_to_sglang_gemma4
+from .ops.patch_embed import patch_embed
+from .ops.pool_by_positions import pool_by_positions
+from .ops.position_embeddings import position_embeddings
+from .sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
 try:
     __version__ = _version("fused-vision")
@@ -16,9 +17,11 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "apply_fused_vision_to_gemma4",
     "apply_fused_vision_to_sglang_gemma4",
+    "encode_images",
     "patch_embed",
     "pool_by_positions",
     "position_embeddings",
     "revert_fused_vision_gemma4",
+    "revert_fused_vision_sglang_gemma4",
     "__version__",
 ]

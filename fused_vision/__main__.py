@@ -76,7 +76,7 @@ def _parser() -> argparse.ArgumentParser:
         help="benchmark fused_vision against the one-hot and its peers on this device",
         description="Benchmark fused_vision against the one-hot and its peers. Writes results.csv, "
         "low_memory.csv, results.md, time.png, memory.png (CUDA only) and log.txt to --out. Defaults: on a GPU, "
-        "everything at SPEC's shapes in bf16; on a CPU, the stem ops' onehot and embedding providers at small "
+        "everything at the checkpoints' shapes in bf16; on a CPU, the stem ops' onehot and embedding providers at small "
         "shapes in fp32.",
     )
     bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         parser.error(f"--out {out}: {exc.strerror or exc}")
-    # python -m, the console script and bench/run.py all come here: record the canonical form.
+    # python -m and the console script both come here: record the canonical form.
     command = "python -m fused_vision " + shlex.join(sys.argv[1:] if argv is None else argv)
     options = Options(
         device=device,

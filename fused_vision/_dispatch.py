@@ -12,7 +12,7 @@ import contextlib
 import functools
 import os
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.autograd.forward_ad as fwAD

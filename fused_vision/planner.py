@@ -349,7 +349,7 @@ def _encoder_peak_bytes(shape: _TowerShape, patches: int, dtype_bytes: int) -> i
     The module docstring's phases, in its notation.
     """
     b, n = dtype_bytes, patches
-    D, I, H, d, F = shape.hidden, shape.intermediate, shape.heads, shape.head_dim, shape.pixel_features
+    D, I, H, d, F = shape.hidden, shape.intermediate, shape.heads, shape.head_dim, shape.pixel_features  # noqa: E741 (the docstring's notation)
     Q = H * d
     kept_weights = 0
     if shape.attention == "eager":

@@ -1,16 +1,14 @@
 """Plain PyTorch versions of every op: the semantic definition, the benchmark baselines, and the
 fallback on devices Triton does not drive.
 
-These functions do not validate their inputs; ``fused_vision``'s public ops do, then call them.
+These functions import torch only and do not validate their inputs; ``fused_vision``'s public ops do
+(ids included), then call them.
 """
 
 import math
 
 import torch
 import torch.nn.functional as F
-
-from ._dispatch import every_item
-from ._validation import id_checks_enabled
 
 
 def onehot_position_embeddings(
@@ -142,9 +140,9 @@ def pool_by_positions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The pooler as a scatter-add: same semantics as ``onehot_pool_by_positions``, no (B, N, L) one-hot.
 
-    Slots at or past ``output_length`` raise a ValueError (stock's ``F.one_hot`` raises too), a check
-    that synchronises; where the id checks are off (``id_checks_enabled``: CUDA graph capture,
-    FUSED_VISION_CHECK_IDS=0) such an item comes out NaN instead, as from the kernel.
+    An item whose positions need slots at or past ``output_length`` comes out NaN, as from the kernel
+    (stock's ``F.one_hot`` raises there; so does ``fused_vision.pool_by_positions`` while its id checks are
+    on, before calling this).
     """
     batch, seq_len, hidden = hidden_states.shape
     hidden_states = hidden_states.masked_fill(padding_positions.unsqueeze(-1), 0.0)
@@ -153,9 +151,7 @@ def pool_by_positions(
     k = pooling_kernel_size(seq_len, output_length)
     slots = pooling_slots(position_ids, k)
     overflow = slots >= output_length
-    if id_checks_enabled(position_ids) and every_item(overflow).any():
-        raise slot_overflow_error(k, output_length)
-    slots = slots.masked_fill(overflow, 0)  # unchecked: an address in range; the item is NaN below
+    slots = slots.masked_fill(overflow, 0)  # an address in range; the item is NaN below
     # Out of place: vmap (per-sample gradients) refuses to scatter mapped items into a tensor that is not.
     sums = torch.zeros(batch, output_length, hidden, dtype=torch.float32, device=hidden_states.device)
     sums = sums.scatter_add(1, slots.unsqueeze(-1).expand(-1, -1, hidden), hidden_states.float())

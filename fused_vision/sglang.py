@@ -10,14 +10,14 @@ attention around a patch embedder that is transformers 5.5-5.9's, int64 one-hot 
 pooler that is a one-hot matmul in the hidden dtype. It encodes each pixel tensor of a request (the
 images one processor call batched, or every frame of its videos) in one call, unchunked, so the
 one-hot's 160 KiB per patch is the encoder's largest transient.
-The patched embedder is ``fused_vision.patch_embed`` (or, with ``patch_embedder=False``, stock's with the
-lookup swapped, bit-identical); the patched pooler differs from stock in rounding only (``_pooler_forward``).
+The patched embedder is ``fused_vision.patch_embed`` (or, with ``embedder="position_embeddings"``, stock's
+with the lookup swapped, bit-identical); the patched pooler differs from stock in rounding only (``_pooler_forward``).
 SGLang's EmbeddingGemma2 builds the same tower with a pooler of its own (``EmbeddingGemma2VisionPooler``,
 a float32 one-hot pooler cast once to the hidden dtype), which is patched too (``_embedding_pooler_forward``).
 
 SGLang builds its models in scheduler processes that a patch in the launching script does not reach:
 there, set FUSED_VISION_SGLANG=1 and SGLang's plugin loader (entry point group ``sglang.srt.plugins``)
-runs ``sglang_plugin`` in each of them. ``fused_vision.revert_fused_vision_gemma4`` undoes either patch.
+runs ``sglang_plugin`` in each of them. ``revert_fused_vision_sglang_gemma4`` undoes either patch.
 """
 
 from __future__ import annotations
@@ -29,10 +29,10 @@ import os
 import torch
 from torch import nn
 
-from .gemma4 import _STATE, _apply, _lookup_is_onehot, _pooler_runs_fused, _stock_method
-from .pooler import pool_by_positions as _fused_pool_by_positions
+from . import gemma4, patching
+from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 
-__all__ = ["apply_fused_vision_to_sglang_gemma4", "sglang_plugin"]
+__all__ = ["apply_fused_vision_to_sglang_gemma4", "revert_fused_vision_sglang_gemma4", "sglang_plugin"]
 
 logger = logging.getLogger("fused_vision")
 
@@ -68,7 +68,7 @@ def _pools_fused(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) ->
     """Whether an SGLang pooler hands ``inputs`` to ``pool_by_positions``: not where stock skips the pooling
     (N == L: a scale, nothing to fuse; EmbeddingGemma2's mask is then ``~padding_positions``)."""
     hidden_states, _, _, output_length = inputs
-    return not args and not kwargs and _pooler_runs_fused(pooler, *inputs) and output_length != hidden_states.shape[1]
+    return not args and not kwargs and gemma4.pooler_runs_fused(pooler, *inputs) and output_length != hidden_states.shape[1]
 
 
 def _pooler_forward(self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs):
@@ -83,10 +83,10 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)
     if not isinstance(mask_first, bool) or not _pools_fused(self, inputs, args, kwargs):
-        return _stock_method(self, "forward")(*inputs, *args, **kwargs)
+        return patching.stock_method(self, "forward")(*inputs, *args, **kwargs)
     padding = padding_positions if mask_first else torch.zeros_like(padding_positions)
     pooled, mask = _fused_pool_by_positions(
-        hidden_states, patch_positions, padding, output_length, backend=getattr(self, _STATE).backend
+        hidden_states, patch_positions, padding, output_length, backend=patching.fused_state(self).backend
     )
     return pooled.to(hidden_states.dtype), mask
 
@@ -101,8 +101,8 @@ def _embedding_pooler_forward(
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     if not _pools_fused(self, inputs, args, kwargs):
-        return _stock_method(self, "forward")(*inputs, *args, **kwargs)
-    backend = getattr(self, _STATE).backend
+        return patching.stock_method(self, "forward")(*inputs, *args, **kwargs)
+    backend = patching.fused_state(self).backend
     pooled, mask = _fused_pool_by_positions(*inputs, round_average=False, backend=backend)
     return pooled.to(hidden_states.dtype), mask
 
@@ -110,8 +110,7 @@ def _embedding_pooler_forward(
 def apply_fused_vision_to_sglang_gemma4(
     model: nn.Module | None = None,
     *,
-    position_embeddings: bool = True,
-    patch_embedder: bool = True,
+    embedder: str | None = "patch_embed",
     pooler: bool = True,
     backend: str = "auto",
 ) -> int:
@@ -124,9 +123,9 @@ def apply_fused_vision_to_sglang_gemma4(
             SGLang has it) ``EmbeddingGemma2VisionPooler`` classes, for every tower built from then on; or
             a module (SGLang's ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, their
             ``Gemma4VisionEncoder``, ...) whose instances of them to patch.
-        patch_embedder: the whole embedder as ``fused_vision.patch_embed``.
-        position_embeddings: when ``patch_embedder`` is False, only the lookup: then the embedder's
-            output is bit-identical to stock's.
+        embedder: ``"patch_embed"``, the whole embedder as ``fused_vision.patch_embed``;
+            ``"position_embeddings"``, only the lookup: then the embedder's output is bit-identical to
+            stock's; None leaves the embedder stock.
         pooler: the poolers as ``fused_vision.pool_by_positions``. ``Gemma4VisionPooler`` then rounds as
             transformers' pooler does, not as SGLang's (see ``_pooler_forward``);
             ``EmbeddingGemma2VisionPooler`` equals stock up to float32 summation order. False keeps
@@ -134,21 +133,34 @@ def apply_fused_vision_to_sglang_gemma4(
         backend: "auto", "triton" or "reference", for every patched op.
 
     Raises:
-        ValueError: nothing selected, an unknown backend, or ``model`` holds no module to patch.
+        ValueError: nothing selected, an unknown ``embedder`` or backend, or ``model`` holds no module to patch.
+        TypeError: ``model`` is neither None nor an ``nn.Module``.
         ImportError: SGLang or its Gemma 4 is missing.
     """
     vision = _sglang_vision()
     poolers = [(vision.Gemma4VisionPooler, _pooler_forward)]
     poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
-    release = dict(onehot_lookup=_lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
+    caller = "apply_fused_vision_to_sglang_gemma4"
+    release = dict(onehot_lookup=gemma4.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
+    targets = gemma4.tower_targets(
+        caller, vision.Gemma4VisionPatchEmbedder, poolers, release, embedder=embedder, pooler=pooler, backend=backend
+    )
     hint = (
         "Pass SGLang's Gemma4ForConditionalGeneration, EmbeddingGemma2Model or Gemma4VisionEncoder (for "
         "transformers' Gemma 4, apply_fused_vision_to_gemma4), or call it with model=None before the model is built."
     )
-    return _apply(
-        "apply_fused_vision_to_sglang_gemma4", model, vision.Gemma4VisionPatchEmbedder, poolers, release, hint,
-        patch_embedder=patch_embedder, position_embeddings=position_embeddings, pooler=pooler, backend=backend,
-    )
+    return patching.patch(caller, model, targets, hint)
+
+
+def _is_sglang_class(cls: type) -> bool:
+    return cls.__module__ in (SGLANG_MODULE, SGLANG_EMBEDDING_MODULE)
+
+
+def revert_fused_vision_sglang_gemma4(model: nn.Module | None = None) -> int:
+    """Undo ``apply_fused_vision_to_sglang_gemma4``, as ``fused_vision.revert_fused_vision_gemma4`` undoes
+    transformers' patch: with ``model=None`` SGLang's classes and every instance patch; with a model, its
+    modules. Returns the number of classes and instance patches undone, or of modules that were fused."""
+    return patching.revert(model, _is_sglang_class)
 
 
 def sglang_plugin() -> None:

@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
-from .position_embedding import load_positions, position_embedding_tile
+from .position_embeddings import load_positions, position_embeddings_tile
 
 
 @triton.jit
@@ -95,14 +95,14 @@ def _patch_embed_kernel(
     x, y, padding = load_positions(
         ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
     )
-    pe = position_embedding_tile(
+    pe = position_embeddings_tile(
         table_ptr, x, y, padding, row_in, cols, col_in, num_positions, stride_table_axis, stride_table_pos, stride_table_d, DTYPE
     )
     out = round_to(hidden_states + pe, DTYPE)
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
 
 
-# Each fits sm_90's shared memory without register spills on Triton 3.5 to 3.9 (bench/hopper_compile.py
+# Each fits sm_90's shared memory without register spills on Triton 3.5 to 3.9 (bench/tools/hopper_compile.py
 # checks): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not spend
 # (256x128x32 on 8 warps spills from Triton 3.8 on). fp32 weights (ieee dots, as stock's fp32 linear)
 # need smaller tiles still, and 8 warps: with their fp64 block sums, each 4-warp tile tried (64x64,

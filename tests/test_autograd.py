@@ -10,12 +10,10 @@ import torch.autograd.forward_ad as fwAD
 
 import fused_vision
 from fused_vision import _dispatch, reference
-from fused_vision.kernels import position_embedding as lookup_kernel
+from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
-from test_patch_embed import make_inputs
-from test_pooler import image_ids, make_batch
-from test_position_embeddings import make_ids
+from op_cases import grid_ids, make_batch, make_ids, make_inputs
 
 BACKENDS = ["triton", "reference"]
 GRAD_DTYPES = [torch.float32, torch.bfloat16]
@@ -148,7 +146,7 @@ def test_deterministic_algorithms_keep_the_table_gradient_off_the_atomics(monkey
     def no_atomics(*args):
         raise AssertionError("the atomic table-gradient kernel ran under deterministic algorithms")
 
-    monkeypatch.setattr(lookup_kernel, "table_grad", no_atomics)
+    monkeypatch.setattr(position_embeddings_kernels, "table_grad", no_atomics)
     torch.use_deterministic_algorithms(True)
     try:
         fused_vision.position_embeddings(table, ids, backend="triton").backward(grad_out)
@@ -225,9 +223,9 @@ def test_compile_fullgraph_forward_and_backward(backend):
         assert_close(c, e, atol=1e-4, rtol=1e-5, what=f"compiled grad of {name}")
 
 
-def grid_ids(batch, side):
+def full_grids(batch, side):
     """(B, side * side, 2) row-major positions: every patch is a pooled one."""
-    return torch.stack([image_ids(side, side, side * side)] * batch).to(DEVICE)
+    return torch.stack([grid_ids(side, side, side * side)] * batch).to(DEVICE)
 
 
 def test_compile_dynamic_shapes_pooler():
@@ -238,7 +236,7 @@ def test_compile_dynamic_shapes_pooler():
 
     compiled = torch.compile(pool, fullgraph=True, dynamic=True)
     for side in (6, 9):
-        ids = grid_ids(2, side)
+        ids = full_grids(2, side)
         hidden_states = torch.randn(2, side * side, 16, device=DEVICE)
         expected = reference.pool_by_positions(hidden_states, ids, (ids == -1).all(-1), side * side // 9)[0]
         assert_close(compiled(hidden_states, ids), expected, atol=1e-5, rtol=1e-5, what=f"{side}x{side}")
@@ -390,7 +388,7 @@ def _vmap_cases():
     stacked_ids = torch.stack([make_ids(2, 11, 20, padded_tail=i) for i in range(3)]).to(DEVICE)
     pixels, weight = torch.rand(2, 11, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
     hidden_states = torch.randn(2, 16, 8, device=DEVICE)
-    pool_ids = torch.stack([torch.stack([image_ids(4, 4, 16), image_ids(w, 4, 16)]) for w in (2, 3, 4)]).to(DEVICE)
+    pool_ids = torch.stack([torch.stack([grid_ids(4, 4, 16), grid_ids(w, 4, 16)]) for w in (2, 3, 4)]).to(DEVICE)
     return {
         "lookup_over_table": (
             lambda t: fused_vision.position_embeddings(t, ids),
@@ -428,7 +426,7 @@ def test_meta_tensors_get_the_shapes_and_dtypes_of_real_ones(op):
         "patch_embed": (torch.rand(2, 16, 12), torch.randn(8, 12, dtype=torch.bfloat16), table, ids),
         "pool_by_positions": (
             torch.randn(2, 16, 8, dtype=torch.bfloat16),
-            image_ids(4, 4, 16).expand(2, -1, -1),
+            grid_ids(4, 4, 16).expand(2, -1, -1),
             torch.zeros(2, 16, dtype=torch.bool),
             4,
         ),
@@ -451,7 +449,7 @@ def test_outputs_are_contiguous_whatever_the_inputs_strides(backend):
     residual = torch.randn(11, 2, 8, device=DEVICE).transpose(0, 1)
     assert fused_vision.position_embeddings(table, ids, residual=residual, backend=backend).is_contiguous()
     hidden_states = torch.randn(16, 2, 8, device=DEVICE).transpose(0, 1)
-    pool_ids = grid_ids(2, 4)
+    pool_ids = full_grids(2, 4)
     padding = torch.zeros(16, 2, dtype=torch.bool, device=DEVICE).t()
     pooled, mask = fused_vision.pool_by_positions(hidden_states, pool_ids, padding, 16, backend=backend)
     assert pooled.is_contiguous() and mask.is_contiguous()

@@ -16,7 +16,7 @@ import torch
 
 from fused_vision.__main__ import main
 from fused_vision.bench import Case, report, runner, targets
-from fused_vision.bench.ops import STEM_OPS, Lookup, LookupBackward, PatchEmbed, PatchEmbedBackward, Pooler, PoolerBackward
+from fused_vision.bench.ops import STEM_OPS, PositionEmbeddings, PositionEmbeddingsBackward, PatchEmbed, PatchEmbedBackward, PoolByPositions, PoolByPositionsBackward
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
 from conftest import DEVICE, TIME_BOXED
@@ -49,10 +49,10 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     assert set(REQUIRED_COLUMNS) <= set(columns)
     measured = {(row["op"], row["provider"]) for row in rows}
     expected = {("copy", "torch"), ("matmul", "torch")}
-    expected |= {(op, p) for op in ("lookup", "patch_embed") for p in ("onehot", "embedding", "fused", "fused_kernel")}
-    expected |= {("pooler", p) for p in ("onehot", "fused", "fused_kernel")}
-    expected |= {(op, p) for op in ("lookup_backward", "patch_embed_backward") for p in ("onehot", "embedding", "fused")}
-    expected |= {("pooler_backward", p) for p in ("onehot", "fused")}
+    expected |= {(op, p) for op in ("position_embeddings", "patch_embed") for p in ("onehot", "embedding", "fused", "fused_kernel")}
+    expected |= {("pool_by_positions", p) for p in ("onehot", "fused", "fused_kernel")}
+    expected |= {(op, p) for op in ("position_embeddings_backward", "patch_embed_backward") for p in ("onehot", "embedding", "fused")}
+    expected |= {("pool_by_positions_backward", p) for p in ("onehot", "fused")}
     expected |= {(tower, p) for tower in TOWERS for p in ("onehot", "embedding", "fused")}
     assert measured == expected
 
@@ -88,16 +88,16 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
 
 
 def test_compiled_provider(tmp_path):
-    out = run_cli(tmp_path, "--ops", "lookup", "--providers", "compiled")
+    out = run_cli(tmp_path, "--ops", "position_embeddings", "--providers", "compiled")
     _, rows = read_csv(out / "results.csv")
     measured = [(row["op"], row["provider"]) for row in rows]
-    assert measured == [("copy", "torch"), ("matmul", "torch"), ("lookup", "compiled")]
+    assert measured == [("copy", "torch"), ("matmul", "torch"), ("position_embeddings", "compiled")]
     assert "first call" in (out / "log.txt").read_text()
 
 
 def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
-    """Past the time budget a run loses compiled rows first, and of those the embedder's at #5's case (its
-    goal) last. The eager stem ops also start at #5's case, whose first calls tune the tiles."""
+    """Past the time budget a run loses compiled rows first, and of those the embedder's at the target case
+    (its target) last. The eager stem ops also start at the target case, whose first calls tune the tiles."""
     sections, compiled_cases, eager_cases = [], [], []
 
     def bench_stem(session, ops, providers, cases, hidden_sizes):
@@ -109,7 +109,7 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "bench_stem", bench_stem)
     monkeypatch.setattr(runner, "bench_tower", lambda session, op, *_: sections.append(op))
-    ops = ("lookup", "pooler", "patch_embed", "tower_e2b_e4b")
+    ops = ("position_embeddings", "pool_by_positions", "patch_embed", "tower_e2b_e4b")
     options = runner.Options(
         device=DEVICE,
         out=tmp_path,
@@ -121,9 +121,9 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
     plan = runner.Plan.of(options)
     runner.run_sections(runner.Session(options, runner.Log(tmp_path / "log.txt"), plan), plan)
     assert sections == [
-        (("onehot", "fused"), ("lookup", "patch_embed", "pooler")),
+        (("onehot", "fused"), ("position_embeddings", "patch_embed", "pool_by_positions")),
         "tower_e2b_e4b",
-        (("compiled",), ("patch_embed", "lookup", "pooler")),
+        (("compiled",), ("patch_embed", "position_embeddings", "pool_by_positions")),
     ]
     assert compiled_cases[0] == ("image_32x280", 1152)
     assert eager_cases == ["image_32x280", "video_32x70", "image_8x280", "image_8x1120"]
@@ -131,7 +131,7 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
 
 
 def test_time_budget_skips_what_would_start_late(tmp_path):
-    out = run_cli(tmp_path, "--ops", "lookup,pooler,tower_e2b_e4b", "--time-budget", "1e-9")
+    out = run_cli(tmp_path, "--ops", "position_embeddings,pool_by_positions,tower_e2b_e4b", "--time-budget", "1e-9")
     _, rows = read_csv(out / "results.csv")
     assert {row["op"] for row in rows} == {"copy", "matmul"}
     assert "past the time budget" in (out / "results.md").read_text()
@@ -144,9 +144,9 @@ def test_a_failing_section_still_writes_the_other_results(tmp_path, monkeypatch)
 
     monkeypatch.setattr(runner, "bench_tower", broken_tower)
     with pytest.raises(RuntimeError, match="sections stopped by errors: tower_e2b_e4b"):
-        run_cli(tmp_path, "--ops", "lookup,tower_e2b_e4b", "--providers", "embedding")
+        run_cli(tmp_path, "--ops", "position_embeddings,tower_e2b_e4b", "--providers", "embedding")
     _, rows = read_csv(tmp_path / "bench" / "results.csv")
-    assert ("lookup", "embedding") in {(row["op"], row["provider"]) for row in rows}
+    assert ("position_embeddings", "embedding") in {(row["op"], row["provider"]) for row in rows}
     assert "RuntimeError: planted failure" in (tmp_path / "bench" / "log.txt").read_text()
 
 
@@ -159,11 +159,11 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(runner, "bench_tower", interrupted_tower)
     sigint_handler = signal.getsignal(signal.SIGINT)
     out = tmp_path / "bench"
-    args = ["--ops", "lookup,tower_e2b_e4b,pooler", "--providers", "embedding,onehot", "--out", str(out)]
+    args = ["--ops", "position_embeddings,tower_e2b_e4b,pool_by_positions", "--providers", "embedding,onehot", "--out", str(out)]
     assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", *args]) == 130
     _, rows = read_csv(out / "results.csv")
     assert [(row["op"], row["provider"]) for row in rows] == [
-        ("copy", "torch"), ("matmul", "torch"), ("lookup", "onehot"), ("lookup", "embedding"), ("pooler", "onehot")
+        ("copy", "torch"), ("matmul", "torch"), ("position_embeddings", "onehot"), ("position_embeddings", "embedding"), ("pool_by_positions", "onehot")
     ]  # fmt: skip
     assert "**Interrupted** after 3 of 5 measurements." in (out / "results.md").read_text()
     assert "interrupted: writing the reports" in (out / "log.txt").read_text()
@@ -188,7 +188,7 @@ def test_sigint_mid_run_writes_the_reports(tmp_path):
     assert child.wait(timeout=120) == 130, output
     _, rows = read_csv(out / "results.csv")
     measured = [(row["op"], row["provider"]) for row in rows]
-    assert measured[:3] == [("copy", "torch"), ("matmul", "torch"), ("lookup", "onehot")]
+    assert measured[:3] == [("copy", "torch"), ("matmul", "torch"), ("position_embeddings", "onehot")]
     assert "**Interrupted** after" in (out / "results.md").read_text()
 
 
@@ -199,14 +199,14 @@ def test_the_dtype_follows_the_device_unless_given(tmp_path):
 
     assert plan("cuda") == torch.bfloat16 and plan("cpu") == torch.float32
     assert plan("cpu", torch.float16) == torch.float16 and plan("cuda", torch.float32) == torch.float32
-    out = run_cli(tmp_path, "--ops", "lookup", "--providers", "embedding", "--dtype", "float16")
+    out = run_cli(tmp_path, "--ops", "position_embeddings", "--providers", "embedding", "--dtype", "float16")
     _, rows = read_csv(out / "results.csv")
-    assert [(row["op"], row["dtype"]) for row in rows] == [("copy", "float32"), ("matmul", "float16"), ("lookup", "float16")]
+    assert [(row["op"], row["dtype"]) for row in rows] == [("copy", "float32"), ("matmul", "float16"), ("position_embeddings", "float16")]
 
 
 def test_bad_arguments_are_usage_errors(capsys):
     bad = {
-        ("--ops", "lookup,nope"): "'nope': expected one of",
+        ("--ops", "position_embeddings,nope"): "'nope': expected one of",
         ("--providers", "onehot,magic"): "'magic': expected one of",
         ("--providers", ","): "',': expected at least one of",
         ("--ops", ""): "'': expected at least one of",
@@ -252,24 +252,24 @@ def test_byte_models_match_hand_counts():
     case, cpu = Case.parse("video_1x70"), torch.device("cpu")
     patches, ids_and_padding, row = 630, 630 * (2 * 8 + 1), 1152 * 2
     lookup = ids_and_padding + (33 + 18) * row + patches * row
-    assert Lookup(case, 1152, torch.bfloat16, cpu).model_bytes == lookup == 1_579_734
+    assert PositionEmbeddings(case, 1152, torch.bfloat16, cpu).model_bytes == lookup == 1_579_734
 
     patch_embed = PatchEmbed(case, 1152, torch.bfloat16, cpu)
     assert patch_embed.model_bytes == 630 * 768 * 4 + 1152 * 768 * 2 + lookup == 5_284_566
     assert patch_embed.flops == 2 * 630 * 768 * 1152
 
     pooled = 70 * (1152 * 4 + 1)  # float32 (L, D) and the (L,) mask
-    assert Pooler(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + pooled == 1_784_860
+    assert PoolByPositions(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + pooled == 1_784_860
 
     table_grad = 2 * 10240 * row
     lookup_backward = patches * row + ids_and_padding + table_grad
-    assert LookupBackward(case, 1152, torch.bfloat16, cpu).model_bytes == lookup_backward
+    assert PositionEmbeddingsBackward(case, 1152, torch.bfloat16, cpu).model_bytes == lookup_backward
     weight_grad = 1152 * 768 * 2
     patch_embed_backward = PatchEmbedBackward(case, 1152, torch.bfloat16, cpu)
     assert patch_embed_backward.model_bytes == 630 * 768 * 4 + weight_grad + lookup_backward
     assert patch_embed_backward.flops == 2 * 630 * 768 * 1152
     pooled_grad = 70 * 1152 * 4
-    assert PoolerBackward(case, 1152, torch.bfloat16, cpu).model_bytes == pooled_grad + ids_and_padding + patches * row
+    assert PoolByPositionsBackward(case, 1152, torch.bfloat16, cpu).model_bytes == pooled_grad + ids_and_padding + patches * row
 
 
 def stem_row(op, provider, ms, case="image_32x280", hidden=1152, peak=None, output=0, requested=None):
@@ -277,16 +277,16 @@ def stem_row(op, provider, ms, case="image_32x280", hidden=1152, peak=None, outp
     return row | dict(peak_bytes=peak, peak_requested_bytes=requested, output_bytes=output)
 
 
-def test_issue_goals_are_judged_from_the_rows():
+def test_targets_are_judged_from_the_rows():
     rows = [
         dict(op="copy", provider="torch", case="1024 MiB fp32", dtype="float32", ms_p50=0.5),
         stem_row("patch_embed", "embedding", 1.5),
         stem_row("patch_embed", "compiled", 0.4),
         stem_row("patch_embed", "fused", 0.4, peak=200, output=100),  # 3.75x embedding, ties compiled
         stem_row("patch_embed", "fused_kernel", 0.375, peak=2**20 + 100, output=100),  # exactly 4x; 1 MiB extra
-        stem_row("pooler", "onehot", 0.67, case="image_8x280"),
-        stem_row("pooler", "fused", 0.067, case="image_8x280"),  # exactly 10x, at another case
-        stem_row("lookup", "fused", 0.05),  # no goal
+        stem_row("pool_by_positions", "onehot", 0.67, case="image_8x280"),
+        stem_row("pool_by_positions", "fused", 0.067, case="image_8x280"),  # exactly 10x, at another case
+        stem_row("position_embeddings", "fused", 0.05),  # no goal
     ]
     found = {(v.goal, v.case, v.provider): v for v in targets.verdicts(rows)}
     expected_met = {
@@ -296,19 +296,19 @@ def test_issue_goals_are_judged_from_the_rows():
         ("patch_embed ≥ 4× faster than embedding", "image_32x280", "fused_kernel"): True,  # at least 4x
         ("patch_embed faster than compiled", "image_32x280", "fused_kernel"): True,
         ("patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused_kernel"): False,
-        ("pooler ≥ 10× faster than onehot", "image_8x280", "fused"): True,
+        ("pool_by_positions ≥ 10× faster than onehot", "image_8x280", "fused"): True,
     }
     assert {key: verdict.met for key, verdict in found.items()} == expected_met
     assert found["patch_embed ≥ 4× faster than embedding", "image_32x280", "fused"].ratio == pytest.approx(3.75)
     assert found["patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused"].extra_bytes == 100
 
     summary = report.goal_summary(targets.verdicts(rows))
-    assert summary.startswith("issue #5's goals at image_32x280, D=1152, bfloat16: 3 of 6 met; not met: ")
+    assert summary.startswith("targets at image_32x280, D=1152, bfloat16: 3 of 6 met; not met: ")
     assert "patch_embed faster than compiled (fused)" in summary
-    unjudged = "pooler ≥ 10× faster than onehot, pooler peak beyond inputs and output < 1 MiB"
+    unjudged = "pool_by_positions ≥ 10× faster than onehot, pool_by_positions peak beyond inputs and output < 1 MiB"
     assert summary.endswith(f"; not judged (a row missing): {unjudged}"), "the pooler ran at another case only"
     lines = report.goal_lines(rows)
-    pooler = "| pooler ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms |"
+    pooler = "| pool_by_positions ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms |"
     assert pooler + " yes |" in lines
     elsewhere = report.goal_summary(targets.verdicts(rows[5:7]))
     assert elsewhere.endswith("not judged, this run has no fused row with its baseline at image_32x280, D=1152, bfloat16")
@@ -323,12 +323,12 @@ def test_memory_goals_count_the_bytes_requested_where_the_allocator_has_them():
     scratch, rounding = 396_000, 40 * 2**20 - output
     allocated = output + rounding + scratch
     rows = [
-        stem_row("pooler", "fused", 0.05, peak=allocated, output=output, requested=output + scratch),
-        stem_row("pooler", "fused_kernel", 0.05, peak=allocated, output=output),
+        stem_row("pool_by_positions", "fused", 0.05, peak=allocated, output=output, requested=output + scratch),
+        stem_row("pool_by_positions", "fused_kernel", 0.05, peak=allocated, output=output),
     ]
     found = {verdict.provider: verdict for verdict in targets.verdicts(rows)}
     assert found["fused"].met and found["fused"].extra_bytes == scratch
     assert not found["fused_kernel"].met and found["fused_kernel"].extra_bytes == rounding + scratch
     lines = report.goal_lines(rows)
-    assert "| pooler peak beyond inputs and output < 1 MiB | image_32x280 | 1152 | fused | 396 kB requested | yes |" in lines
+    assert "| pool_by_positions peak beyond inputs and output < 1 MiB | image_32x280 | 1152 | fused | 396 kB requested | yes |" in lines
     assert any("| fused_kernel | 1.05 MB allocated | **no** |" in line for line in lines)

@@ -8,7 +8,7 @@ import torch.autograd.forward_ad as fwAD
 
 import fused_vision
 from fused_vision import _dispatch
-from fused_vision.kernels import position_embedding as lookup_kernel
+from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
 from conftest import assert_bit_identical
@@ -69,7 +69,7 @@ def test_kernel_failure_falls_back_once_with_one_warning(monkeypatch):
         calls.append(1)
         raise RuntimeError("simulated compile failure")
 
-    monkeypatch.setattr(lookup_kernel, "position_embeddings", broken)
+    monkeypatch.setattr(position_embeddings_kernels, "position_embeddings", broken)
     table = torch.randn(2, 16, 24, dtype=torch.bfloat16)
     ids = torch.randint(-1, 16, (2, 9, 2))
     expected = onehot_position_embeddings(table, ids, default_padding_positions(ids))
@@ -88,7 +88,7 @@ def test_out_of_memory_is_raised_and_leaves_the_kernel_enabled(monkeypatch):
     reference would need more memory still) and the next call runs the kernel again."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.delenv("FUSED_VISION_BACKEND", raising=False)
-    launch, calls = lookup_kernel.position_embeddings, []
+    launch, calls = position_embeddings_kernels.position_embeddings, []
 
     def out_of_memory_once(*args, **kwargs):
         calls.append(1)
@@ -96,7 +96,7 @@ def test_out_of_memory_is_raised_and_leaves_the_kernel_enabled(monkeypatch):
             raise torch.OutOfMemoryError("simulated: CUDA out of memory")
         return launch(*args, **kwargs)
 
-    monkeypatch.setattr(lookup_kernel, "position_embeddings", out_of_memory_once)
+    monkeypatch.setattr(position_embeddings_kernels, "position_embeddings", out_of_memory_once)
     table = torch.randn(2, 16, 24, dtype=torch.bfloat16)
     ids = torch.randint(-1, 16, (2, 9, 2))
     with warnings.catch_warnings():

@@ -11,14 +11,12 @@ import torch
 import fused_vision
 from fused_vision import reference
 from fused_vision.kernels import patch_embed as patch_embed_kernels
-from fused_vision.kernels import pooler as pooler_kernels
-from fused_vision.kernels import position_embedding as lookup_kernels
-from fused_vision.pooler import pool_by_positions_backward
+from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
+from fused_vision.kernels import position_embeddings as position_embeddings_kernels
+from fused_vision.ops.pool_by_positions import pool_by_positions_backward
 
 from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
-from test_patch_embed import assert_matches_stock, make_inputs
-from test_pooler import make_batch
-from test_position_embeddings import make_ids
+from op_cases import assert_matches_stock, make_batch, make_ids, make_inputs
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the real configs run in every test")
 
@@ -26,7 +24,7 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the real 
 @pytest.fixture
 def gpu_tiles(monkeypatch):
     """Make the launchers choose the tiles they would choose on a GPU."""
-    for module in (lookup_kernels, pooler_kernels, patch_embed_kernels):
+    for module in (position_embeddings_kernels, pool_by_positions_kernels, patch_embed_kernels):
         monkeypatch.setattr(module, "interpreting", lambda: False)
 
 
@@ -68,10 +66,10 @@ def candidate_id(value):
     return dtype_id(value) if isinstance(value, torch.dtype) else str(value)
 
 
-@pytest.mark.parametrize("dtype,config", candidates(pooler_kernels), ids=candidate_id)
+@pytest.mark.parametrize("dtype,config", candidates(pool_by_positions_kernels), ids=candidate_id)
 def test_pooler_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
-    tuned = _FixedConfig(pooler_kernels._pool_by_positions_kernel, config)
-    monkeypatch.setattr(pooler_kernels, "_pool_by_positions_tuned", tuned)
+    tuned = _FixedConfig(pool_by_positions_kernels._pool_by_positions_kernel, config)
+    monkeypatch.setattr(pool_by_positions_kernels, "_pool_by_positions_tuned", tuned)
     # 160 slots over two items: partial slot and column blocks, a padded tail, patch spans that cross blocks.
     hidden_states, ids, padding = make_batch([(36, 36), (15, 12)], 3, 160, 200, dtype)
     pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 160, backend="triton")
@@ -94,7 +92,7 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
     "module,tuner,pointer",
     [
         (patch_embed_kernels, "_patch_embed_tuned", "weight_ptr"),
-        (pooler_kernels, "_pool_by_positions_tuned", "hidden_ptr"),
+        (pool_by_positions_kernels, "_pool_by_positions_tuned", "hidden_ptr"),
     ],
     ids=["patch_embed", "pooler"],
 )
@@ -138,11 +136,11 @@ def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
     items, seq_len, hidden = 100_000, 4, 8
     recorders = {}
     for module, kernel, tuner in [
-        (lookup_kernels, "_position_embedding_kernel", None),
-        (lookup_kernels, "_table_grad_kernel", None),
-        (pooler_kernels, "_patch_slots_kernel", None),
-        (pooler_kernels, "_hidden_states_grad_kernel", None),
-        (pooler_kernels, "_pool_by_positions_tuned", torch.float16),
+        (position_embeddings_kernels, "_position_embeddings_kernel", None),
+        (position_embeddings_kernels, "_table_grad_kernel", None),
+        (pool_by_positions_kernels, "_patch_slots_kernel", None),
+        (pool_by_positions_kernels, "_hidden_states_grad_kernel", None),
+        (pool_by_positions_kernels, "_pool_by_positions_tuned", torch.float16),
         (patch_embed_kernels, "_patch_embed_tuned", torch.float16),
     ]:
         recorder = _GridRecorder(module.gpu_configs(tuner) if tuner else (None,))
@@ -152,10 +150,10 @@ def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
     padding = torch.zeros(items, seq_len, dtype=torch.bool, device=DEVICE)
     rows = torch.zeros(items, seq_len, hidden, dtype=torch.float16, device=DEVICE)
     table = torch.zeros(2, 4, hidden, dtype=torch.float16, device=DEVICE)
-    lookup_kernels.position_embeddings(table, ids, padding)
-    lookup_kernels.table_grad(rows, ids, padding, 4)
-    pooler_kernels.pool_by_positions(rows, ids, padding, 1, 2)
-    pooler_kernels.hidden_states_grad(torch.zeros(items, 1, hidden, device=DEVICE), ids, padding, 2, torch.float16)
+    position_embeddings_kernels.position_embeddings(table, ids, padding)
+    position_embeddings_kernels.table_grad(rows, ids, padding, 4)
+    pool_by_positions_kernels.pool_by_positions(rows, ids, padding, 1, 2)
+    pool_by_positions_kernels.hidden_states_grad(torch.zeros(items, 1, hidden, device=DEVICE), ids, padding, 2, torch.float16)
     pixels = torch.zeros(items, seq_len, 12, device=DEVICE)
     weight = torch.zeros(hidden, 12, dtype=torch.float16, device=DEVICE)
     patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)

@@ -8,7 +8,7 @@ import pytest
 
 def test_kernels_is_not_a_top_level_module(tmp_path):
     probe = (
-        "import importlib.util, fused_vision.kernels.position_embedding as k; "
+        "import importlib.util, fused_vision.kernels.position_embeddings as k; "
         "print(importlib.util.find_spec('kernels'))"
     )
     # Run outside the source tree so the checkout itself is not on sys.path.

@@ -9,40 +9,9 @@ import fused_vision
 from fused_vision import reference
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
-from test_position_embeddings import make_ids
+from op_cases import assert_matches_stock, make_ids, make_inputs
 
 BACKENDS = ["triton", "reference"]
-# One unit in the last place, relative: 2**-(stored mantissa bits).
-ULP = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}
-# fp32 accumulation over K terms in another order than stock's: a bound on sum |w_k x_k| far above the
-# typical sqrt(K) * 2**-24 and well under the worst case K * 2**-24.
-ACCUMULATION = 1e-5
-
-
-def make_inputs(batch, seq_len, features, hidden, num_positions, dtype, pixel_dtype, padded_tail):
-    """Random pixels on every row, padding rows too: what the kernel writes there is their projection
-    (processors pad with zero pixels, which would hide a kernel that skips them)."""
-    pixels = torch.rand(batch, seq_len, features, device=DEVICE).to(pixel_dtype)
-    weight = (torch.randn(hidden, features, device=DEVICE) / features**0.5).to(dtype)
-    table = torch.randn(2, num_positions, hidden, device=DEVICE).to(dtype)
-    ids = make_ids(batch, seq_len, num_positions, padded_tail=padded_tail, half_padded=2).to(DEVICE)
-    return pixels, weight, table, ids
-
-
-def assert_matches_stock(actual, pixels, weight, table, ids):
-    """Elementwise against stock. The GEMM sums in another order: its fp32 sums differ by accumulation
-    error, the projection's rounding may then differ by one unit, and the output's by one more."""
-    stock = reference.patch_embed(pixels, weight, table, ids).double()
-    prescaled = (2 * (pixels - 0.5)).to(weight.dtype).double()
-    projection = prescaled @ weight.double().t()
-    terms = prescaled.abs() @ weight.double().abs().t()
-    bound = ULP[weight.dtype] * (projection.abs() + stock.abs()) + ACCUMULATION * terms
-    error = (actual.double() - stock).abs()
-    if (error > bound).any():
-        worst = (error - bound).flatten().topk(min(5, error.numel())).indices
-        coords = [tuple(int(c) for c in torch.unravel_index(i, error.shape)) for i in worst]
-        detail = "; ".join(f"{c}: {actual[c].item():.7g} vs {stock[c].item():.7g} (bound {bound[c].item():.3g})" for c in coords)
-        raise AssertionError(f"{int((error > bound).sum())} elements differ from stock beyond rounding; worst: {detail}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -325,10 +325,11 @@ def test_planner_check_runs_on_the_cpu(planner_check, tmp_path):
     assert (tmp_path / "planner_check.csv").read_text().startswith("kind,path,patches_per_item,items,")
 
 
-def test_planner_check_arguments(planner_check, monkeypatch, tmp_path):
-    monkeypatch.setenv("OUT", str(tmp_path))
+def test_planner_check_arguments(planner_check, tmp_path):
     args = planner_check.parse_args([])
-    assert (args.device, args.tiny, args.dtype, args.attn, args.out) == ("cuda", False, "bfloat16", "sdpa", tmp_path)
+    default_out = Path(planner_check.__file__).resolve().parent / "out"
+    assert (args.device, args.tiny, args.dtype, args.attn, args.out) == ("cuda", False, "bfloat16", "sdpa", default_out)
+    assert planner_check.parse_args(["--out", str(tmp_path)]).out == tmp_path
     if not torch.cuda.is_available():
         with pytest.raises(SystemExit, match="no CUDA device"):
             planner_check.main([])

@@ -9,21 +9,9 @@ import fused_vision
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from op_cases import make_ids
 
 BACKENDS = ["triton", "reference"]
-
-
-def make_ids(batch, seq_len, num_positions, *, id_dtype=torch.int64, padded_tail=0, half_padded=0, generator=None):
-    """Random (x, y) ids in [0, P) with the last `padded_tail` patches of each item (-1, -1), then
-    `half_padded` patches at the front with only x = -1 and as many after them with only y = -1 (each
-    clamped to 0 and looked up, not padding)."""
-    ids = torch.randint(0, num_positions, (batch, seq_len, 2), generator=generator)
-    if padded_tail:
-        ids[:, seq_len - padded_tail :] = -1
-    if half_padded:
-        ids[:, :half_padded, 0] = -1
-        ids[:, half_padded : 2 * half_padded, 1] = -1
-    return ids.to(id_dtype)
 
 
 def onehot(table, ids, padding=None):

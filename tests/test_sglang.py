@@ -25,12 +25,12 @@ import torch
 from torch import nn
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
-from test_gemma4 import float64_twin, make_inputs, randomize, vision_config
+from gemma4_towers import float64_twin, make_inputs, randomize, vision_config
 
 import fused_vision.gemma4 as fg
 import fused_vision.sglang as fs
-from fused_vision.gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
-from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4
+from fused_vision.gemma4 import apply_fused_vision_to_gemma4
+from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None  # told before any stand-in exists
 SGLANG_DIR_ENV = "FUSED_VISION_SGLANG_MODELS"
@@ -142,7 +142,7 @@ def sglang_classes() -> int:
 @pytest.fixture(autouse=True)
 def stock_after_each_test():
     yield
-    revert_fused_vision_gemma4()
+    revert_fused_vision_sglang_gemma4()
 
 
 class StandInBlock(nn.Module):
@@ -193,7 +193,7 @@ def test_the_tower_under_test_is_sglangs_own_code(sgl):
     source = Path(inspect.getsourcefile(sgl.Gemma4VisionPatchEmbedder)).resolve()
     assert source.name == "gemma4_vision.py" and source == Path(sgl.__file__).resolve()
     assert sgl.Gemma4VisionPooler.__module__ == fs.SGLANG_MODULE
-    assert fg._lookup_is_onehot(sgl.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
+    assert fg.lookup_is_onehot(sgl.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
     assert sgl.Gemma4VisionPatchEmbedder is not fg._modeling().Gemma4VisionPatchEmbedder
 
 
@@ -212,7 +212,7 @@ def test_lookup_alone_is_bit_identical(sgl, dtype):
     pixels, ids, padding = inputs(dtype)
     with torch.no_grad():
         stock, stock_lookup = embedder(pixels, ids, padding), embedder._position_embeddings(ids, padding)
-        assert apply_fused_vision_to_sglang_gemma4(embedder, patch_embedder=False, pooler=False) == 1
+        assert apply_fused_vision_to_sglang_gemma4(embedder, embedder="position_embeddings", pooler=False) == 1
         fused, lookup = embedder(pixels, ids, padding), embedder._position_embeddings(ids, padding)
     assert_bit_identical(fused, stock, "SGLang patch embedder, lookup alone")
     assert_bit_identical(lookup, stock_lookup, "SGLang embedder's _position_embeddings")
@@ -247,7 +247,7 @@ def pool_before_and_after_the_patch(pooler, dtype):
     with torch.no_grad():
         stock, stock_mask = pooler(hidden, ids, padding, output_length=length)
         exact, _ = pooler(hidden.double(), ids, padding, output_length=length)
-        assert apply_fused_vision_to_sglang_gemma4(pooler, patch_embedder=False, position_embeddings=False) == 1
+        assert apply_fused_vision_to_sglang_gemma4(pooler, embedder=None) == 1
         fused, mask = pooler(hidden, ids, padding, output_length=length)
     assert "fused_vision=pool_by_positions(backend=auto)" in repr(pooler)
     assert fused.dtype == stock.dtype == dtype
@@ -346,7 +346,7 @@ def test_embedding_gemma2_encoder_matches_stock_without_a_one_hot(sgl, embedding
         with monkeypatch.context() as patch:
             patch.setattr(torch.nn.functional, "one_hot", no_one_hot)
             results["class patch"] = encoder(pixels, ids)
-        revert_fused_vision_gemma4()
+        revert_fused_vision_sglang_gemma4()
         assert apply_fused_vision_to_sglang_gemma4(encoder) == 2
         assert "fused_vision=pool_by_positions(backend=auto)" in repr(encoder.pooler)
         monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
@@ -386,7 +386,7 @@ def test_instance_patch_and_revert(sgl, monkeypatch):
     assert "fused_vision=pool_by_positions(backend=reference)" in repr(encoder.pooler)
     other = make_encoder(sgl, monkeypatch, torch.float32)
     assert getattr(other.patch_embedder, "_fused_vision", None) is None  # the instance patch stays its own
-    assert revert_fused_vision_gemma4(encoder) == 2
+    assert revert_fused_vision_sglang_gemma4(encoder) == 2
     assert "fused_vision" not in repr(encoder)
     with torch.no_grad():
         assert_bit_identical(encoder(pixels, ids)[0], stock, "reverted encoder")
@@ -395,7 +395,7 @@ def test_instance_patch_and_revert(sgl, monkeypatch):
 def test_apply_errors_name_the_problem(sgl, monkeypatch):
     encoder = make_encoder(sgl, monkeypatch, torch.float32)
     with pytest.raises(ValueError, match="nothing selected"):
-        apply_fused_vision_to_sglang_gemma4(patch_embedder=False, position_embeddings=False, pooler=False)
+        apply_fused_vision_to_sglang_gemma4(embedder=None, pooler=False)
     with pytest.raises(ValueError, match="backend"):
         apply_fused_vision_to_sglang_gemma4(backend="cuda")
     with pytest.raises(TypeError, match="Module"):
@@ -444,7 +444,7 @@ def test_sglang_plugin_is_registered_and_opt_in(sgl, monkeypatch, caplog):
     plugin()
     assert sgl.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
     assert sgl.Gemma4VisionPooler.forward is fs._pooler_forward
-    revert_fused_vision_gemma4()
+    revert_fused_vision_sglang_gemma4()
     assert sgl.Gemma4VisionPooler.forward is stock_forward
     # where SGLang's Gemma 4 is missing it warns rather than raise inside SGLang's plugin loader
     monkeypatch.setitem(sys.modules, fs.SGLANG_MODULE, None)

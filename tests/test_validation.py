@@ -10,7 +10,7 @@ from fused_vision._validation import id_checks_enabled
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_table_grad
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
-from test_pooler import image_ids
+from op_cases import grid_ids
 
 BACKENDS = ["triton", "reference"]
 
@@ -154,8 +154,8 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
     """Each launcher passes every tensor whose column offsets its kernel computes in int32 through
     int32_inner_offsets (the test above checks the helper itself); ids and padding have none."""
     from fused_vision.kernels import patch_embed as patch_embed_kernels
-    from fused_vision.kernels import pooler as pooler_kernels
-    from fused_vision.kernels import position_embedding as lookup_kernels
+    from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
+    from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 
     guarded = []
 
@@ -163,24 +163,24 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
         guarded.append(tensor)
         return tensor
 
-    for module in (lookup_kernels, pooler_kernels, patch_embed_kernels):
+    for module in (position_embeddings_kernels, pool_by_positions_kernels, patch_embed_kernels):
         monkeypatch.setattr(module, "int32_inner_offsets", record)
     table, ids = good()
     padding = default_padding_positions(ids)
     rows = torch.randn(2, 5, 8, device=DEVICE)
     pixels, weight = torch.rand(2, 5, 12, device=DEVICE), torch.randn(8, 12, device=DEVICE)
-    pool_ids, pool_padding = image_ids(2, 2, 4)[None].to(DEVICE), torch.zeros(1, 4, dtype=torch.bool, device=DEVICE)
+    pool_ids, pool_padding = grid_ids(2, 2, 4)[None].to(DEVICE), torch.zeros(1, 4, dtype=torch.bool, device=DEVICE)
     hidden_states, grad_pooled = torch.randn(1, 4, 8, device=DEVICE), torch.randn(1, 1, 8, device=DEVICE)
     launches = {
-        "position_embeddings": (lambda: lookup_kernels.position_embeddings(table, ids, padding, rows), [table, rows]),
-        "table_grad": (lambda: lookup_kernels.table_grad(rows, ids, padding, 20), [rows]),
+        "position_embeddings": (lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, rows), [table, rows]),
+        "table_grad": (lambda: position_embeddings_kernels.table_grad(rows, ids, padding, 20), [rows]),
         "patch_embed": (lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding), [pixels, weight, table]),
         "pool_by_positions": (
-            lambda: pooler_kernels.pool_by_positions(hidden_states, pool_ids, pool_padding, 1, 2),
+            lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, pool_ids, pool_padding, 1, 2),
             [hidden_states],
         ),
         "hidden_states_grad": (
-            lambda: pooler_kernels.hidden_states_grad(grad_pooled, pool_ids, pool_padding, 2, torch.float32),
+            lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, pool_ids, pool_padding, 2, torch.float32),
             [grad_pooled],
         ),
     }

@@ -7,7 +7,7 @@ call, with the same warm-up and repetition budgets in milliseconds.
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 import torch

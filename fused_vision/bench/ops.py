@@ -12,7 +12,7 @@ whole (2, P, D) table and writes a (B, N, 2, P) int64 one-hot on top.
 """
 
 from functools import partial
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -109,8 +109,8 @@ class _TableBench(StemBench):
         self.table_rows = distinct_table_rows(self.ids, self.padding)
 
 
-class Lookup(_TableBench):
-    name = "lookup"
+class PositionEmbeddings(_TableBench):
+    name = "position_embeddings"
     providers = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
@@ -131,7 +131,7 @@ class Lookup(_TableBench):
         return partial(fused_vision.position_embeddings, *self.args, backend="triton")
 
     def fused_kernel(self):
-        from fused_vision.kernels.position_embedding import position_embeddings
+        from fused_vision.kernels.position_embeddings import position_embeddings
 
         return partial(position_embeddings, *self.args)
 
@@ -165,10 +165,10 @@ class PatchEmbed(_TableBench):
         return partial(patch_embed, *self.args)
 
 
-class Pooler(StemBench):
+class PoolByPositions(StemBench):
     """The pooler never had an F.embedding era: every release builds the (B, N, L) one-hot."""
 
-    name = "pooler"
+    name = "pool_by_positions"
     providers = ("onehot", "compiled", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
@@ -187,7 +187,7 @@ class Pooler(StemBench):
         return partial(fused_vision.pool_by_positions, *self.args, backend="triton")
 
     def fused_kernel(self):
-        from fused_vision.kernels.pooler import pool_by_positions
+        from fused_vision.kernels.pool_by_positions import pool_by_positions
 
         k = reference.pooling_kernel_size(self.case.patches_per_item, self.case.soft_tokens)
         return partial(pool_by_positions, *self.args, k)
@@ -205,10 +205,10 @@ def backward_call(forward: Callable, inputs: tuple[torch.Tensor, ...], grad_outp
     return partial(torch.autograd.grad, output, leaves, grad_output, retain_graph=True)
 
 
-class LookupBackward(_TableBench):
+class PositionEmbeddingsBackward(_TableBench):
     """The table gradient of the lookup: a dense matmul into the table for the one-hot."""
 
-    name = "lookup_backward"
+    name = "position_embeddings_backward"
     providers = ("onehot", "embedding", "fused")
 
     def __init__(self, case, hidden, dtype, device):
@@ -259,10 +259,10 @@ class PatchEmbedBackward(_TableBench):
         return self._call(partial(fused_vision.patch_embed, backend="triton"))
 
 
-class PoolerBackward(StemBench):
+class PoolByPositionsBackward(StemBench):
     """The hidden states' gradient through the pooler."""
 
-    name = "pooler_backward"
+    name = "pool_by_positions_backward"
     providers = ("onehot", "fused")
 
     def __init__(self, case, hidden, dtype, device):
@@ -285,5 +285,5 @@ class PoolerBackward(StemBench):
 
 
 STEM_OPS: dict[str, type[StemBench]] = {
-    op.name: op for op in (Lookup, PatchEmbed, Pooler, LookupBackward, PatchEmbedBackward, PoolerBackward)
+    op.name: op for op in (PositionEmbeddings, PatchEmbed, PoolByPositions, PositionEmbeddingsBackward, PatchEmbedBackward, PoolByPositionsBackward)
 }

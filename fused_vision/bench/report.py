@@ -6,7 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from .measure import Ceiling
-from .targets import GOALS, ISSUE_CASE, ISSUE_DTYPE, ISSUE_HIDDEN, Verdict, verdicts
+from .targets import GOALS, TARGET_CASE, TARGET_DTYPE, TARGET_HIDDEN, Verdict, verdicts
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
@@ -44,7 +44,7 @@ def format_ms(ms: float) -> str:
 
 
 def format_bytes(count: float) -> str:
-    """Decimal units, as SPEC's tables: 3.94 GB, 133 MB."""
+    """Decimal units, as the baselines' tables: 3.94 GB, 133 MB."""
     for unit in ("B", "kB", "MB", "GB"):
         if abs(count) < 999.5:
             return f"{significant(count)} {unit}"
@@ -178,14 +178,14 @@ def low_memory_table(rows: list[dict]) -> list[str]:
 
 
 def goal_summary(found: list[Verdict]) -> str:
-    """How many of #5's goals its own case met, which not, and which the run could not judge there."""
-    at_case = [verdict for verdict in found if verdict.at_issue_case]
-    where = f"{ISSUE_CASE}, D={ISSUE_HIDDEN}, {ISSUE_DTYPE}"
+    """How many targets the target case met, which not, and which the run could not judge there."""
+    at_case = [verdict for verdict in found if verdict.at_target_case]
+    where = f"{TARGET_CASE}, D={TARGET_HIDDEN}, {TARGET_DTYPE}"
     if not at_case:
-        return f"issue #5's goals: not judged, this run has no fused row with its baseline at {where}"
+        return f"targets: not judged, this run has no fused row with its baseline at {where}"
     missed = [f"{verdict.goal} ({verdict.provider})" for verdict in at_case if not verdict.met]
     unjudged = [goal for goal in GOALS if goal not in {verdict.goal for verdict in at_case}]
-    summary = f"issue #5's goals at {where}: {len(at_case) - len(missed)} of {len(at_case)} met"
+    summary = f"targets at {where}: {len(at_case) - len(missed)} of {len(at_case)} met"
     summary += f"; not met: {', '.join(missed)}" if missed else ""
     return summary + (f"; not judged (a row missing): {', '.join(unjudged)}" if unjudged else "")
 
@@ -202,7 +202,7 @@ def _measured(verdict: Verdict) -> str:
 
 
 def goal_lines(rows: list[dict]) -> list[str]:
-    """Issue #5's goals against this run's rows: a summary for its own case, then every verdict."""
+    """The targets against this run's rows: a summary for the target case, then every verdict."""
     found = verdicts(rows)
     if not found:
         return []
@@ -210,7 +210,7 @@ def goal_lines(rows: list[dict]) -> list[str]:
     body = [
         [v.goal, v.case, str(v.hidden), v.provider, _measured(v), "yes" if v.met else "**no**"] for v in found
     ]
-    return ["### goals of issue #5", "", goal_summary(found) + ".", "", *_table(header, body)]
+    return ["### targets", "", goal_summary(found) + ".", "", *_table(header, body)]
 
 
 def skipped_lines(skipped: list[dict]) -> list[str]:

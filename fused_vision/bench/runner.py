@@ -1,10 +1,10 @@
 """The driver: what runs, in which order, within what time, and what each measurement becomes.
 
-Order: the two ceilings; every stem op's providers but ``compiled``, issue #5's case first (its first
+Order: the two ceilings; every stem op's providers but ``compiled``, the target case first (its first
 calls tune the kernels' tiles for the whole run); the towers; the low-memory scenario; the ``compiled``
 providers last. Compile times are the one part of the run nobody can
 predict, so a run past its time budget loses compiled rows first, never the towers or the scenario;
-among them the embedder's at issue #5's case and width go first: the comparison it sets a goal on.
+among them the embedder's at the target case and width go first: the comparison a target is set on.
 """
 
 import platform
@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -25,7 +25,7 @@ import fused_vision
 from . import report
 from .measure import Budget, Ceiling, Peak, copy_ceiling, matmul_ceiling, peak_memory, synchronize, tensor_bytes, time_call
 from .ops import STEM_OPS, Unsupported
-from .targets import ISSUE_CASE, ISSUE_HIDDEN, verdicts
+from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory
 from .workloads import CPU_CASES, GPU_CASES, GPU_TOWER_CASES, TINY_CASES, Case
 
@@ -33,10 +33,10 @@ TOWER_OPS = tuple(VISION_TOWERS)
 OPS = (*STEM_OPS, *TOWER_OPS, "low_memory")
 OP_GROUPS = {"stem": tuple(STEM_OPS), "tower": TOWER_OPS}
 PROVIDERS = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
-COMPILED_FIRST = ("patch_embed", "lookup")  # then the other ops with a compiled provider
-DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, SPEC section 5's measurements
+COMPILED_FIRST = ("patch_embed", "position_embeddings")  # then the other ops with a compiled provider
+DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, that of the baselines (bench/baselines.md)
 TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
-# The whole comparison must end within 5 minutes on an H200 (issue #7): this leaves ~90 s for start-up,
+# The whole comparison must end within 5 minutes on an H200: this leaves ~90 s for start-up,
 # the task running at the deadline (a compile can take 20 s) and the reports.
 DEFAULT_TIME_BUDGET_S = 210.0
 
@@ -62,7 +62,7 @@ class Options:
 class Plan:
     """What a run does: the options, with the device's defaults where they leave a choice open.
 
-    GPUs run everything at SPEC's shapes in bf16 (Gemma 4's checkpoints; pixels stay float32, as the
+    GPUs run everything at the checkpoints' shapes in bf16 (their dtype; pixels stay float32, as the
     processors emit them). CPUs run the stem ops' one-hot and F.embedding code at small shapes in fp32:
     compiles take minutes there, Triton runs on a CPU only in its interpreter, whose times mean nothing,
     and a CPU without bf16 matmul instructions emulates them (one bf16 one-hot lookup at video_2x70 took
@@ -315,16 +315,16 @@ def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...
                 del bench
 
 
-def issue_case_first(cases):
-    """#5's case first (stable: the rest keep their order): each op's first call there tunes the tiles
+def target_case_first(cases):
+    """The target case first (stable: the rest keep their order): each op's first call there tunes the tiles
     that every case of the process then uses, so the goals are judged on tiles tuned at their own case."""
-    return sorted(cases, key=lambda case: case.name != ISSUE_CASE)
+    return sorted(cases, key=lambda case: case.name != TARGET_CASE)
 
 
 def run_sections(session: Session, plan: Plan) -> None:
     """Every section in the order of the module docstring; an error stops only its own section."""
     eager = tuple(p for p in plan.providers if p != "compiled")
-    stem_cases = issue_case_first(plan.stem_cases)
+    stem_cases = target_case_first(plan.stem_cases)
     session.guarded("stem ops", bench_stem, session, plan.stem_ops, eager, stem_cases, plan.hidden_sizes)
     for op in plan.tower_ops:
         session.guarded(op, bench_tower, session, op, plan.providers, plan.tower_cases)
@@ -333,7 +333,7 @@ def run_sections(session: Session, plan: Plan) -> None:
     if "compiled" in plan.providers:
         first = tuple(op for op in COMPILED_FIRST if op in plan.stem_ops)
         ops = first + tuple(op for op in plan.stem_ops if op not in first)
-        hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != ISSUE_HIDDEN)
+        hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != TARGET_HIDDEN)
         session.guarded("compiled", bench_stem, session, ops, ("compiled",), stem_cases, hidden_sizes)
 
 

@@ -2,13 +2,13 @@
 
 import torch
 
-from . import reference
-from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from ._validation import check_pool_inputs, id_checks_enabled
+from .. import reference
+from .._dispatch import check_backend, dispatch, every_item, reference_only, through_dispatcher
+from .._validation import check_pool_inputs, id_checks_enabled
 
 
 def _triton(hidden_states, position_ids, padding_positions, output_length, round_average):
-    from .kernels.pooler import pool_by_positions as launch
+    from ..kernels.pool_by_positions import pool_by_positions as launch
 
     seq_len = hidden_states.shape[1]
     if seq_len == output_length:  # no pooling: stock's masked scale, nothing for a kernel to fuse
@@ -22,13 +22,23 @@ def _triton(hidden_states, position_ids, padding_positions, output_length, round
     return pooled, mask
 
 
+def _reference(hidden_states, position_ids, padding_positions, output_length, round_average):
+    seq_len = hidden_states.shape[1]
+    if seq_len != output_length and id_checks_enabled(position_ids):
+        k = reference.pooling_kernel_size(seq_len, output_length)
+        # One device-to-host sync; unchecked, the reference makes an overflowing item NaN, as the kernel does.
+        if every_item(reference.pooling_slots(position_ids, k) >= output_length).any():
+            raise reference.slot_overflow_error(k, output_length)
+    return reference.pool_by_positions(hidden_states, position_ids, padding_positions, output_length, round_average)
+
+
 def _forward(hidden_states, position_ids, padding_positions, output_length, round_average, backend):
     pooled, mask = dispatch(
         "pool_by_positions",
         backend,
         hidden_states.device,
         _triton,
-        reference.pool_by_positions,
+        _reference,
         hidden_states,
         position_ids,
         padding_positions,
@@ -61,7 +71,7 @@ def _(hidden_states, position_ids, padding_positions, output_length, round_avera
 
 
 def _triton_backward(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype, round_average):
-    from .kernels.pooler import hidden_states_grad as launch
+    from ..kernels.pool_by_positions import hidden_states_grad as launch
 
     seq_len = position_ids.shape[1]
     if seq_len == output_length:  # no pooling: a scale and a mask, nothing for a kernel to fuse
@@ -184,7 +194,7 @@ def pool_by_positions(
         reference.pooling_kernel_size(hidden_states.shape[1], output_length)
     inputs = (hidden_states, position_ids, padding_positions, output_length, round_average)
     if reference_only("pool_by_positions", backend, hidden_states, position_ids, padding_positions):
-        return reference.pool_by_positions(*inputs)
+        return _reference(*inputs)
     if through_dispatcher(hidden_states, position_ids, padding_positions):
         return _pool_by_positions_op(*inputs, backend)
     return _forward(*inputs, backend)

@@ -1,7 +1,7 @@
 """Compile every Triton kernel for Hopper (sm_90a) with no GPU, at the launch configs a GPU gets, and
 report what each costs: shared memory, registers, spills, and the matrix instruction its dots became.
 
-    python bench/hopper_compile.py [--out DIR] [--fp-fusion]
+    python bench/tools/hopper_compile.py [--out DIR] [--fp-fusion]
 
 Triton lowers to PTX on any machine and its bundled ptxas assembles it; registers and spills are read
 off that ptxas run's own log, so they are the binary's a GPU would load, built with the ptxas and flags
@@ -34,8 +34,8 @@ from triton.compiler import ASTSource
 
 from fused_vision import reference
 from fused_vision.kernels import patch_embed as patch_embed_kernels
-from fused_vision.kernels import pooler as pooler_kernels
-from fused_vision.kernels import position_embedding as lookup_kernels
+from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
+from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.kernels.common import interpreting
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -157,38 +157,38 @@ def launches():
         item_ids = torch.randint(0, POSITIONS, (1, seq_len, 2))
         item_padding = reference.default_padding_positions(item_ids)
         hidden_states = torch.randn(1, seq_len, 16)
-        call = lambda: pooler_kernels.pool_by_positions(hidden_states, item_ids, item_padding, output_length, 3)  # noqa: E731
-        (args, kwargs), _ = capture_launches(pooler_kernels, POOLER_KERNELS, call)
-        yield "patch_slots", f"N={seq_len}, L={output_length}", pooler_kernels._patch_slots_kernel, args, kwargs
+        call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, item_ids, item_padding, output_length, 3)  # noqa: E731
+        (args, kwargs), _ = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
+        yield "patch_slots", f"N={seq_len}, L={output_length}", pool_by_positions_kernels._patch_slots_kernel, args, kwargs
     for dtype in DTYPES:
         table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
         for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
-            call = lambda: lookup_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
-            ((args, kwargs),) = capture_launches(lookup_kernels, ("_position_embedding_kernel",), call)
+            call = lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
+            ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_position_embeddings_kernel",), call)
             variant = f"{name(dtype)}{' + residual' if residual is not None else ''}"
-            yield "lookup", variant, lookup_kernels._position_embedding_kernel, args, kwargs
+            yield "position_embeddings", variant, position_embeddings_kernels._position_embeddings_kernel, args, kwargs
 
         grad = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: lookup_kernels.table_grad(grad, ids, padding, POSITIONS)  # noqa: E731
-        ((args, kwargs),) = capture_launches(lookup_kernels, ("_table_grad_kernel",), call)
-        yield "table_grad", name(dtype), lookup_kernels._table_grad_kernel, args, kwargs
+        call = lambda: position_embeddings_kernels.table_grad(grad, ids, padding, POSITIONS)  # noqa: E731
+        ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_table_grad_kernel",), call)
+        yield "table_grad", name(dtype), position_embeddings_kernels._table_grad_kernel, args, kwargs
 
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: pooler_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
-        _, (args, kwargs) = capture_launches(pooler_kernels, POOLER_KERNELS, call)
+        call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
+        _, (args, kwargs) = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
         # Both roundings of the average: transformers' (rounded to the dtype) and EmbeddingGemma2's (fp32).
         averages = ((True, ""), (False, ", fp32 average"))
-        for variant, meta in tuned_launches(name(dtype), pooler_kernels.gpu_configs(dtype)):
+        for variant, meta in tuned_launches(name(dtype), pool_by_positions_kernels.gpu_configs(dtype)):
             for rounded, label in averages:
                 launch = kwargs | meta | {"ROUND_AVERAGE": rounded}
-                yield "pool_by_positions", variant + label, pooler_kernels._pool_by_positions_kernel, args, launch
+                yield "pool_by_positions", variant + label, pool_by_positions_kernels._pool_by_positions_kernel, args, launch
 
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
-        call = lambda: pooler_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
-        _, (args, kwargs) = capture_launches(pooler_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call)
+        call = lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
+        _, (args, kwargs) = capture_launches(pool_by_positions_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call)
         for rounded, label in averages:
             launch = kwargs | {"ROUND_AVERAGE": rounded}
-            yield "pool_backward", name(dtype) + label, pooler_kernels._hidden_states_grad_kernel, args, launch
+            yield "pool_backward", name(dtype) + label, pool_by_positions_kernels._hidden_states_grad_kernel, args, launch
 
         weight = torch.randn(HIDDEN, FEATURES).to(dtype)
         # fp16 pixels take a branch of their own in the prologue (the fp16 doubling)

@@ -216,7 +216,7 @@ def _hidden_states_grad_kernel(
     tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
 
 
-# Each fits sm_90 without register spills (bench/hopper_compile.py checks); fp32 hidden states take
+# Each fits sm_90 without register spills (bench/tools/hopper_compile.py checks); fp32 hidden states take
 # ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype): the slots per
 # item set how many programs share an item, and the best tile follows.
 _TILE = ("BLOCK_S", "BLOCK_N", "BLOCK_D")

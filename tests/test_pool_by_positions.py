@@ -8,26 +8,11 @@ from fused_vision import reference
 from fused_vision.kernels.common import int32_inner_offsets
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
+from op_cases import grid_ids, make_batch
 
 BACKENDS = ["triton", "reference"]
 # The average rounds to the hidden dtype before the fp32 scale: allow one unit in its last place.
 TOLERANCE = {torch.float32: 1e-6, torch.float16: 2**-10, torch.bfloat16: 2**-7}
-
-
-def image_ids(width, height, seq_len):
-    """Row-major (x fastest) ids of a width x height patch grid, padded with (-1, -1) to seq_len."""
-    ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
-    ids = torch.stack([xs.flatten(), ys.flatten()], dim=-1)
-    return torch.cat([ids, torch.full((seq_len - len(ids), 2), -1)])
-
-
-def make_batch(grids, k, output_length, hidden, dtype, shuffle=False):
-    seq_len = k * k * output_length
-    ids = torch.stack([image_ids(w, h, seq_len) for w, h in grids])
-    if shuffle:  # the pooler is defined by positions, not by patch order
-        ids = ids[:, torch.randperm(seq_len)]
-    hidden_states = torch.randn(len(grids), seq_len, hidden).to(dtype)
-    return hidden_states.to(DEVICE), ids.to(DEVICE), (ids == -1).all(-1).to(DEVICE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -104,13 +89,13 @@ def test_rows_past_2_to_the_31_elements(monkeypatch, items):
     assert first_read * items * hidden >= 2**31
     values = torch.randint(-8, 9, (items, k * k, hidden), dtype=torch.float16, device=DEVICE)
     hidden_states[:, first_read:] = values
-    ids = image_ids(width, height, seq_len).expand(items, -1, -1).to(DEVICE)
+    ids = grid_ids(width, height, seq_len).expand(items, -1, -1).to(DEVICE)
     padding = torch.ones(items, seq_len, dtype=torch.bool, device=DEVICE)
     padding[:, first_read:] = False
 
     pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, output_length, backend="triton")
     last_slot, _ = reference.pool_by_positions(
-        values, image_ids(k, k, k * k).expand(items, -1, -1).to(DEVICE), padding[:, first_read:], 1
+        values, grid_ids(k, k, k * k).expand(items, -1, -1).to(DEVICE), padding[:, first_read:], 1
     )
     expected = torch.zeros(items, output_length, hidden, device=DEVICE)
     expected[:, -1:] = last_slot

@@ -41,7 +41,7 @@ def table_rows(x, y, padding, row_in, num_positions):
 
 
 @triton.jit
-def position_embedding_tile(
+def position_embeddings_tile(
     table_ptr,
     x,
     y,
@@ -71,7 +71,7 @@ def position_embedding_tile(
 
 
 @triton.jit
-def _position_embedding_kernel(
+def _position_embeddings_kernel(
     table_ptr,
     ids_ptr,
     padding_ptr,
@@ -109,7 +109,7 @@ def _position_embedding_kernel(
     x, y, padding = load_positions(
         ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
     )
-    pe = position_embedding_tile(
+    pe = position_embeddings_tile(
         table_ptr, x, y, padding, row_in, cols, col_in, num_positions, stride_table_axis, stride_table_pos, stride_table_d, OUT_DTYPE
     )
     if HAS_RESIDUAL:
@@ -145,7 +145,7 @@ def position_embeddings(
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
     # A null residual still needs a pointer argument; HAS_RESIDUAL keeps it from being read.
     residual_arg = out if residual is None else int32_inner_offsets(residual)
-    _position_embedding_kernel[grid](
+    _position_embeddings_kernel[grid](
         table,
         position_ids,
         padding_positions.view(torch.uint8),

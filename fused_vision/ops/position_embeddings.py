@@ -2,13 +2,13 @@
 
 import torch
 
-from . import reference
-from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from ._validation import check_position_ids_range, check_position_inputs
+from .. import reference
+from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
+from .._validation import check_position_ids_range, check_position_inputs
 
 
 def _triton(table, position_ids, padding_positions, residual):
-    from .kernels.position_embedding import position_embeddings as launch
+    from ..kernels.position_embeddings import position_embeddings as launch
 
     out = launch(table, position_ids, padding_positions, residual)
     # Checked after the launch, which bad ids cannot lead astray: the device runs the kernel meanwhile.
@@ -45,7 +45,7 @@ def _(table, position_ids, padding_positions, residual, backend):
 
 
 def _triton_table_grad(grad, position_ids, padding_positions, num_positions):
-    from .kernels.position_embedding import table_grad as launch
+    from ..kernels.position_embeddings import table_grad as launch
 
     return launch(grad, position_ids, padding_positions, num_positions)
 

@@ -4,14 +4,14 @@ import contextlib
 
 import torch
 
-from . import reference
-from ._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from ._validation import check_patch_embed_inputs, check_position_ids_range
-from .position_embedding import table_grad
+from .. import reference
+from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
+from .._validation import check_patch_embed_inputs, check_position_ids_range
+from .position_embeddings import table_grad
 
 
 def _triton(pixel_values, weight, table, position_ids, padding_positions):
-    from .kernels.patch_embed import patch_embed as launch
+    from ..kernels.patch_embed import patch_embed as launch
 
     out = launch(pixel_values, weight, table, position_ids, padding_positions)
     # Checked after the launch, which bad ids cannot lead astray: the device runs the kernel meanwhile.

@@ -1,0 +1,244 @@
+"""``encode_images``: many images or video frames through a Gemma 4 vision tower in memory-safe chunks.
+
+    import fused_vision
+
+    soft_tokens = fused_vision.encode_images(model, pixel_values, pixel_position_ids, max_batch=16)
+
+vLLM's batched pattern: items are bucketed by patch count, each bucket runs in chunks that
+``fused_vision.planner`` sizes, and each item's soft tokens come back stripped of padding and
+standardized as the release's ``Gemma4VisionModel.forward`` does. A patched and a stock tower both work.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from collections.abc import Iterable, Sequence
+
+import torch
+from torch import nn
+
+from . import gemma4
+
+__all__ = ["encode_images"]
+
+_TOWER_SUBMODULES = ("patch_embedder", "encoder", "pooler")
+# Where the tower sits in the models that build one (Gemma4ForConditionalGeneration, Gemma4Model,
+# EmbeddingGemma2Model, DiffusionGemma's models): looked up before walking every module of the LLM.
+_TOWER_PATHS = ("vision_tower", "model.vision_tower", "encoder.vision_tower", "model.encoder.vision_tower")
+
+
+def _is_tower(module) -> bool:
+    return (
+        isinstance(module, nn.Module)
+        and all(name in module._modules for name in _TOWER_SUBMODULES)
+        and hasattr(module, "config")
+    )
+
+
+def _resolve_tower(model: nn.Module) -> nn.Module:
+    """The Gemma4VisionModel itself, or the first one inside ``model``."""
+    if _is_tower(model):
+        return model
+    for path in _TOWER_PATHS:
+        candidate = functools.reduce(lambda module, name: getattr(module, name, None), path.split("."), model)
+        if _is_tower(candidate):
+            return candidate
+    if isinstance(model, nn.Module):
+        tower = next((module for module in model.modules() if _is_tower(module)), None)
+        if tower is not None:
+            return tower
+    raise TypeError(
+        f"vision_tower: expected a Gemma4VisionModel (with patch_embedder, encoder, pooler and config) "
+        f"or a model containing one, got {type(model).__name__}"
+    )
+
+
+def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
+    """Per-item (N_i, K) pixels and (N_i, 2) ids, and whether the input was one stacked tensor."""
+    stacked = isinstance(pixel_values, torch.Tensor)
+    if stacked:
+        if not isinstance(pixel_position_ids, torch.Tensor):
+            raise TypeError("pixel_position_ids: expected a tensor like pixel_values")
+        if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3:
+            raise ValueError(
+                f"pixel_values (B, N, K) and pixel_position_ids (B, N, 2) expected, got shapes "
+                f"{tuple(pixel_values.shape)} and {tuple(pixel_position_ids.shape)}"
+            )
+    elif not isinstance(pixel_values, Sequence) or not isinstance(pixel_position_ids, Sequence):
+        raise TypeError("pixel_values, pixel_position_ids: expected two tensors or two lists of per-item tensors")
+    if len(pixel_position_ids) != len(pixel_values):  # zip would drop the extra items silently
+        raise ValueError(
+            f"pixel_position_ids: expected {len(pixel_values)} items like pixel_values, got {len(pixel_position_ids)}"
+        )
+    pixels, ids = [], []
+    for i, (p, q) in enumerate(zip(pixel_values, pixel_position_ids)):
+        if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
+            raise TypeError(
+                f"pixel_values, pixel_position_ids: item {i} is {type(p).__name__} and {type(q).__name__}, "
+                "expected tensors"
+            )
+        p, q = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in (p, q))  # a listed item's batch of one
+        if p.dim() != 2 or q.dim() != 2 or q.shape[-1] != 2 or p.shape[0] != q.shape[0] or p.shape[0] == 0:
+            raise ValueError(
+                f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N >= 1, got "
+                f"{tuple(p.shape)} and {tuple(q.shape)}"
+            )
+        if q.dtype not in (torch.int32, torch.int64):  # the fused ops' (5.5-5.9's one-hot takes only int64)
+            raise TypeError(f"pixel_position_ids: item {i}: expected dtype int32 or int64, got {q.dtype}")
+        if pixels and p.shape[1] != pixels[0].shape[1]:  # one tower, one patch size: items of a bucket are stacked
+            raise ValueError(f"pixel_values: item {i}: expected {pixels[0].shape[1]} features like item 0, got {p.shape[1]}")
+        pixels.append(p)
+        ids.append(q)
+    return pixels, ids, stacked
+
+
+def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
+    """The planner's path for ``tower`` on ``items``, (pixels, position ids) pairs: "onehot" where a 5.5-5.9
+    embedder runs its stock one-hot lookup on any of them (unpatched, or given a dtype the fused ops do
+    not take: one float64 item makes a stacked chunk float64), "fused" otherwise."""
+    if not gemma4.onehot_lookup():
+        return "fused"
+    embedder = tower.patch_embedder
+    return "onehot" if any(gemma4.embedder_runs_stock(embedder, p, i) for p, i in items) else "fused"
+
+
+def _plan_chunk(
+    num_items: int,
+    patches_per_item: int,
+    tower: nn.Module,
+    path: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    input_bytes_per_item: int,
+) -> int:
+    """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
+    from . import planner
+
+    options = {}
+    attention = getattr(tower.config, "_attn_implementation", None)
+    if isinstance(attention, str):
+        # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
+        # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
+        attention = attention.removeprefix("paged|")
+        options["attn_implementation"] = attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"
+    return planner.plan(
+        num_items,
+        patches_per_item,
+        tower.config,
+        path=path,
+        device=device,
+        dtype=dtype,
+        extra_bytes_per_item=input_bytes_per_item,
+        **options,
+    )
+
+
+def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
+    """``Gemma4VisionModel.forward`` on one chunk, with the padding stripped per item instead of flattened."""
+    k = tower.config.pooling_kernel_size
+    output_length = pixel_values.shape[-2] // (k * k)
+    padding = (position_ids == -1).all(dim=-1)
+    inputs_embeds = tower.patch_embedder(pixel_values, position_ids, padding)
+    hidden_states = tower.encoder(
+        inputs_embeds=inputs_embeds, attention_mask=~padding, pixel_position_ids=position_ids
+    ).last_hidden_state
+    pooled, mask = tower.pooler(
+        hidden_states=hidden_states,
+        pixel_position_ids=position_ids,
+        padding_positions=padding,
+        output_length=output_length,
+    )
+    tokens = pooled[mask]
+    if gemma4.pooler_returns_float32():  # 5.10+: standardize in float32, then back to the working dtype
+        if tower.config.standardize:
+            tokens = (tokens - tower.std_bias.float()) * tower.std_scale.float()
+        tokens = tokens.to(inputs_embeds.dtype)
+    elif tower.config.standardize:  # 5.5-5.9: in the pooled dtype
+        tokens = (tokens - tower.std_bias) * tower.std_scale
+    return list(torch.split(tokens, mask.sum(dim=1).tolist()))
+
+
+def encode_images(
+    vision_tower: nn.Module,
+    pixel_values: torch.Tensor | Sequence[torch.Tensor],
+    pixel_position_ids: torch.Tensor | Sequence[torch.Tensor],
+    *,
+    max_batch: int | None = None,
+) -> list[torch.Tensor]:
+    """Encode many images (or video frames) in memory-safe batches, as vLLM does; one tensor per item.
+
+    Items are bucketed by patch count; each bucket runs in chunks of ``fused_vision.planner.plan(...)``
+    items (at most ``max_batch``) through the tower's own patch embedder, encoder and pooler, so a
+    patched and a stock tower both work. Each item's pooled tokens are stripped of padding and
+    standardized as the release's ``Gemma4VisionModel.forward`` does.
+
+    Args:
+        vision_tower: a ``Gemma4VisionModel``, or a model that contains one (``Gemma4Model``,
+            ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, DiffusionGemma's models, ...).
+        pixel_values: (B, N, K) as the image processor returns it, or a list of (N_i, K) / (1, N_i, K).
+        pixel_position_ids: (B, N, 2) int32 or int64 (int64 where a 5.5-5.9 tower runs its stock one-hot),
+            or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
+        max_batch: cap on the items per encoder call.
+
+    Returns:
+        A list of (T_i, D) soft tokens in the input order, equal (within floating-point tolerance) to
+        running the tower on each item alone. Inputs are moved to the tower's device. Inference only:
+        it runs without autograd, whose saved activations the planner's chunks do not budget for.
+    """
+    with torch.no_grad():
+        return _encode_images(_resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch)
+
+
+def _max_batch(value) -> int | None:
+    """``max_batch`` as an int (numpy integers too), or None."""
+    if value is None:
+        return None
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"max_batch: expected a positive int or None, got {value!r}")
+    return count
+
+
+def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[torch.Tensor]:
+    max_batch = _max_batch(max_batch)
+    pixels, ids, stacked = _items(pixel_values, pixel_position_ids)
+    table = tower.patch_embedder.position_embedding_table
+    device, dtype = table.device, table.dtype
+
+    buckets: dict[int, list[int]] = {}
+    for index, item in enumerate(pixels):
+        buckets.setdefault(item.shape[0], []).append(index)
+    outputs: list[torch.Tensor | None] = [None] * len(pixels)
+    # Each chunk's inputs are copied (stacked, or moved to the device) unless they are slices of one
+    # stacked tensor already there: the copy is the chunk's too.
+    copies_inputs = not (stacked and pixel_values.device == device)
+    for patches, indices in buckets.items():
+        first = indices[0]
+        input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
+        path = planner_path(tower, [(pixels[i], ids[i]) for i in indices])
+        not_int64 = [i for i in indices if ids[i].dtype != torch.int64] if path == "onehot" else []
+        if not_int64:
+            raise TypeError(
+                f"pixel_position_ids: item {not_int64[0]}: the tower runs transformers 5.5-5.9's stock one-hot "
+                "lookup, which takes int64 ids only"
+            )
+        chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
+        if max_batch is not None:
+            chunk = min(chunk, max_batch)
+        chunk = max(1, min(chunk, len(indices)))
+        for start in range(0, len(indices), chunk):
+            selected = indices[start : start + chunk]
+            if stacked:  # one bucket holding every item in order: slice, do not copy
+                chunk_pixels = pixel_values[selected[0] : selected[-1] + 1]
+                chunk_ids = pixel_position_ids[selected[0] : selected[-1] + 1]
+            else:
+                chunk_pixels = torch.stack([pixels[i] for i in selected])
+                chunk_ids = torch.stack([ids[i] for i in selected])
+            encoded = _encode_chunk(tower, chunk_pixels.to(device), chunk_ids.to(device))
+            for index, tokens in zip(selected, encoded):
+                outputs[index] = tokens
+    return outputs  # type: ignore[return-value]

@@ -1,0 +1,131 @@
+"""Tiny random Gemma 4 vision towers and their inputs, for the tests of every Gemma 4 integration."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import DEVICE, assert_as_accurate_as_stock, assert_close
+from op_cases import grid_ids
+
+transformers = pytest.importorskip("transformers")
+modeling = pytest.importorskip("transformers.models.gemma4.modeling_gemma4")
+VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
+
+# Soft tokens after the tower (the pooled, scaled, maybe standardized output). Every fused op rounds like
+# stock, but a GEMM tile order or a pooling sum order may move a rounding by an ulp, which the encoder
+# layer then carries on: so besides fp32's elementwise match with stock, both dtypes are judged against
+# a float64 twin of the tower, no less accurate than stock in RMS and in the worst element, or than a
+# floor of the dtype's unit roundoff (16 of them for fp32).
+FP32_CLOSE = dict(rtol=1e-5, atol=1e-5)
+ACCURACY_FLOOR = {torch.float32: 16 * 2**-24, torch.bfloat16: 2**-8}
+
+
+def vision_config(*, patch_size=2, pooling=2, positions=64, standardize=False, hidden=32):
+    config = modeling.Gemma4VisionConfig(
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=hidden // 2,
+        patch_size=patch_size,
+        position_embedding_size=positions,
+        pooling_kernel_size=pooling,
+        standardize=standardize,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def randomize(module: nn.Module, seed: int) -> nn.Module:
+    """Fresh random parameters and buffers (never the init's ones and zeros, nor torch.empty garbage)."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in list(module.named_parameters()) + list(module.named_buffers()):
+            if not tensor.is_floating_point() or "inv_freq" in name:
+                continue
+            scale = 1.0 if "position_embedding_table" in name or "std_" in name else 0.2
+            tensor.copy_(torch.randn(tensor.shape, generator=generator) * scale + (1.0 if "std_scale" in name else 0.0))
+    return module
+
+
+def make_tower(dtype=torch.float32, seed=0, **config):
+    tower = modeling.Gemma4VisionModel(vision_config(**config))
+    return randomize(tower, seed).to(DEVICE, dtype).eval()
+
+
+def make_inputs(grids, seq_len, patch_size=2, seed=1):
+    """Random pixels in [0, 1) on real patches, 0 on padding (as the processor pads), and their ids."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.stack([grid_ids(w, h, seq_len) for w, h in grids])
+    pixels = torch.rand(len(grids), seq_len, 3 * patch_size**2, generator=generator)
+    pixels = pixels.masked_fill((ids == -1).all(-1, keepdim=True), 0.0)
+    return pixels.to(DEVICE), ids.to(DEVICE)
+
+
+GRIDS = [(8, 6), (4, 10), (6, 2)]  # k = 2: 12, 10 and 3 soft tokens of L = 16
+SEQ_LEN = 64
+
+
+def run_tower(tower, pixels, ids):
+    with torch.no_grad():
+        return tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+
+
+def float64_twin(tower):
+    """The same tower in float64, unpatched: the exact result that stock and fused are judged against."""
+    return copy.deepcopy(tower).double()
+
+
+def assert_soft_tokens_match(got, stock, exact, what):
+    if stock.dtype == torch.float32:
+        assert_close(got, stock, **FP32_CLOSE, what=what)
+    floor = ACCURACY_FLOOR[stock.dtype]
+    assert_as_accurate_as_stock(got, stock, exact, floor=floor, ords=(2, float("inf")), what=what)
+
+
+
+TINY_TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,  # 5.5 cannot validate its rope parameters for a single layer
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=16,
+    vocab_size=128,
+    hidden_size_per_layer_input=0,
+    layer_types=["sliding_attention", "full_attention"],
+)
+
+
+def tiny_conditional_generation():
+    text = dict(TINY_TEXT, vocab_size_per_layer_input=128, num_global_key_value_heads=1, global_head_dim=16)
+    vision = vision_config().to_dict()
+    config = modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+    return modeling.Gemma4ForConditionalGeneration(config).eval()
+
+
+def fused_ops(model):
+    return sorted(str(m._fused_vision) for m in model.modules() if getattr(m, "_fused_vision", None) is not None)
+
+
+
+def processor_batch(sizes, max_soft_tokens, seed):
+    from PIL import Image
+
+    image_processing = pytest.importorskip("transformers.models.gemma4.image_processing_pil_gemma4")
+    processor = image_processing.Gemma4ImageProcessorPil(
+        patch_size=4, max_soft_tokens=max_soft_tokens, pooling_kernel_size=2
+    )
+    rng = np.random.default_rng(seed)
+    images = [Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in sizes]
+    batch = processor(images, return_tensors="pt")
+    tokens = list(batch["num_soft_tokens_per_image"])
+    return batch["pixel_values"].to(DEVICE), batch["image_position_ids"].to(DEVICE), tokens
+
+
+SIZES = [(48, 80), (100, 36), (61, 61)]  # landscape, portrait, square-ish odd
+
