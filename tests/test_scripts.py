@@ -1,6 +1,7 @@
 """The GPU run's scripts and tests run their own code at tiny sizes here, so a GPU run does not debug them."""
 
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from conftest import DEVICE, TIME_BOXED
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -53,7 +55,7 @@ def test_gpu_tests_fail_where_auto_falls_back_to_the_reference(tmp_path):
     """Three tests call the ops with backend "auto", as the patched model does: if a kernel fails there the
     reference runs and can pass the test, so the test must report the fallback and fail."""
     (tmp_path / "broken_lookup.py").write_text(
-        "from fused_vision.kernels import position_embedding as kernel\n"
+        "from fused_vision.kernels import position_embeddings as kernel\n"
         "def broken(*args, **kwargs):\n"
         "    raise RuntimeError('simulated launch failure')\n"
         "kernel.position_embeddings = broken\n"
@@ -71,11 +73,11 @@ def test_gpu_tests_fail_where_auto_falls_back_to_the_reference(tmp_path):
 
 
 def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
-    """bench/hopper_compile.py: each kernel at its GPU launch configs, built for sm_90a with Triton's own
+    """bench/tools/hopper_compile.py: each kernel at its GPU launch configs, built for sm_90a with Triton's own
     ptxas, within shared memory and without register spills."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "hopper_compile.py"), "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "tools" / "hopper_compile.py"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -218,6 +220,13 @@ def archived(out):
     """The paths of the files in ``out``'s checks.tgz."""
     with tarfile.open(out / "checks.tgz") as archive:
         return {os.path.normpath(member.name) for member in archive.getmembers() if member.isfile()}
+
+
+def test_gpu_run_kernel_tests_exist():
+    """The dry run runs one file of the kernel tests: the others must exist for the run on a GPU to find them."""
+    listed = re.search(r"^kernel_tests=\(([^)]*)\)", (ROOT / "bench" / "gpu_run.sh").read_text(), re.MULTILINE)
+    paths = listed[1].split()
+    assert paths and all((ROOT / path).is_file() for path in paths), paths
 
 
 def test_gpu_run_dry_run(tmp_path):

@@ -4,12 +4,12 @@ there are no graphs: eager calls on the captured buffers stand in, to test the r
 
 import pytest
 import torch
-from conftest import DEVICE, assert_bit_identical
 
 import fused_vision
 from fused_vision import reference
 
 from .conftest import SIZES, P, image_ids
+from conftest import DEVICE, assert_bit_identical
 
 pytestmark = pytest.mark.gpu
 

@@ -7,12 +7,12 @@ from unittest import mock
 
 import pytest
 import torch
-from conftest import DEVICE, assert_bit_identical
 
 import fused_vision
 from fused_vision import _dispatch
 
 from .conftest import SIZES, P, image_ids
+from conftest import DEVICE, assert_bit_identical
 
 pytestmark = pytest.mark.gpu
 

@@ -5,6 +5,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+
+import fused_vision
+from fused_vision import reference
+
+from .conftest import SIZES, P, image_ids
 from conftest import (
     DEVICE,
     FLOAT_DTYPES,
@@ -14,11 +19,6 @@ from conftest import (
     dtype_id,
     relative_error,
 )
-
-import fused_vision
-from fused_vision import reference
-
-from .conftest import SIZES, P, image_ids
 
 pytestmark = pytest.mark.gpu
 
