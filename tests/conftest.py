@@ -15,7 +15,7 @@ else:
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
-# A command prefix that time-boxes a step as bench/h200.sh does: SIGINT at the box, SIGKILL 15 s later. It also
+# A command prefix that time-boxes a step as bench/gpu_run.sh does: SIGINT at the box, SIGKILL 15 s later. It also
 # gives a Python child default SIGINT handling where pytest runs with SIGINT ignored (a shell's `cmd &`).
 TIME_BOXED = ["timeout", "--foreground", "-s", "INT", "-k", "15", "300"]
 

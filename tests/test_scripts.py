@@ -1,7 +1,7 @@
-"""The GPU scripts run their own code at tiny sizes here, so the H200 run does not debug them."""
+"""The GPU run's scripts and tests run their own code at tiny sizes here, so a GPU run does not debug them."""
 
-import json
 import os
+import re
 import runpy
 import signal
 import subprocess
@@ -13,61 +13,71 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+
 from conftest import DEVICE, TIME_BOXED
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_gpu_checks_smoke(tmp_path):
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_checks.py"), "--smoke", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr
-    report = json.loads((tmp_path / "gpu_checks.json").read_text())
-    assert len(report["results"]) == 17 and all(row["ok"] for row in report["results"])
+def run_gpu_tests_smoke(out, expected_code, *pytest_args, **env):
+    """tests/gpu at tiny sizes (FUSED_VISION_GPU_TESTS_SMOKE=1), with JUnit XML as bench/gpu_run.sh writes it;
+    returns the XML's path."""
+    xml = out / "gpu_tests.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *pytest_args]
+    command += ["-o", "junit_family=xunit1", "--junitxml", str(xml), str(ROOT / "tests" / "gpu")]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "FUSED_VISION_GPU_TESTS_SMOKE": "1", **env}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == expected_code, result.stdout + result.stderr
+    return xml
 
 
-def test_gpu_checks_fail_where_auto_falls_back_to_the_reference(tmp_path):
-    """Two checks call the ops with backend "auto", as the patched model does: if a kernel fails there the
-    reference runs and can pass the check, so the script must report the fallback and fail."""
-    broken_lookup = (
-        "import runpy, sys\n"
-        "from fused_vision.kernels import position_embedding\n"
+def outcomes(xml):
+    """Each test's failures, errors and skips in JUnit XML, as (kind, message) pairs: none where it passed.
+    (A test that fails, then errors at teardown, has a <testcase> for each.)"""
+    found = {}
+    for case in ElementTree.parse(xml).iter("testcase"):
+        problems = [(child.tag, child.get("message")) for child in case if child.tag in ("failure", "error", "skipped")]
+        found.setdefault(case.get("name"), []).extend(problems)
+    return found
+
+
+def test_gpu_tests_smoke(tmp_path):
+    """Every GPU test runs and passes at tiny sizes, and the XML keeps the figures they record."""
+    xml = run_gpu_tests_smoke(tmp_path, 0)
+    results = outcomes(xml)
+    assert len(results) == 17 and not any(results.values()), results
+    patch_embed = "test_patch_embed_as_accurate_as_stock_against_float64[bfloat16]"
+    case = next(case for case in ElementTree.parse(xml).iter("testcase") if case.get("name") == patch_embed)
+    assert {prop.get("name") for prop in case.iter("property")} == {"fused_error", "stock_error"}
+
+
+def test_gpu_tests_fail_where_auto_falls_back_to_the_reference(tmp_path):
+    """Three tests call the ops with backend "auto", as the patched model does: if a kernel fails there the
+    reference runs and can pass the test, so the test must report the fallback and fail."""
+    (tmp_path / "broken_lookup.py").write_text(
+        "from fused_vision.kernels import position_embeddings as kernel\n"
         "def broken(*args, **kwargs):\n"
         "    raise RuntimeError('simulated launch failure')\n"
-        "position_embedding.position_embeddings = broken\n"
-        f"sys.argv = ['gpu_checks.py', '--smoke', '--out', {str(tmp_path)!r}]\n"
-        f"runpy.run_path({str(ROOT / 'bench' / 'gpu_checks.py')!r}, run_name='__main__')\n"
+        "kernel.position_embeddings = broken\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", broken_lookup],
-        capture_output=True,
-        text=True,
-        env=dict(os.environ, TRITON_INTERPRET="1"),
-        timeout=300,
-    )
-    assert result.returncode == 1, result.stdout + result.stderr
-    rows = {row["check"]: row for row in json.loads((tmp_path / "gpu_checks.json").read_text())["results"]}
-    for check in ("check_no_sync_where_syncs_are_forbidden", "check_cuda_graph_replay"):
-        row = rows[f"{check}_ran_the_kernels"]
-        assert not row["ok"] and "position_embeddings on cpu" in row["error"], row
+    pythonpath = os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))
+    results = outcomes(run_gpu_tests_smoke(tmp_path, 1, "-p", "broken_lookup", PYTHONPATH=pythonpath))
+    fell_back = f"backend 'auto' fell back to the reference: position_embeddings on {DEVICE.type}"
+    no_sync = "test_no_sync_where_syncs_are_forbidden[position_embeddings]"
+    for name in ("test_replay_on_new_inputs_matches_eager", "test_capture_at_a_new_batch_size_matches_eager", no_sync):
+        assert any(kind == "error" and fell_back in message for kind, message in results[name]), results[name]
     # On a GPU the reference would meet the out-of-range id unchecked, a device-side assert that no later
-    # check survives: the check stops before that call.
-    row = rows["check_no_sync_where_syncs_are_forbidden"]
-    assert "lookup: 'auto' fell back to the reference" in row["error"], row
+    # test survives: the test stops before that call.
+    stopped = "position_embeddings: 'auto' fell back to the reference, which must not meet out-of-range ids"
+    assert any(kind == "failure" and stopped in message for kind, message in results[no_sync]), results[no_sync]
 
 
 def test_every_kernel_compiles_for_hopper_and_fits(tmp_path):
-    """bench/hopper_compile.py: each kernel at its GPU launch configs, built for sm_90a with Triton's own
+    """bench/tools/hopper_compile.py: each kernel at its GPU launch configs, built for sm_90a with Triton's own
     ptxas, within shared memory and without register spills."""
     env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "hopper_compile.py"), "--out", str(tmp_path)],
+        [sys.executable, str(ROOT / "bench" / "tools" / "hopper_compile.py"), "--out", str(tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -97,8 +107,9 @@ def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
     split = script["split_name"]
     assert error["K blocks of 32, summed in fp64 (fused)"] < error[split(4)] < error[split(1)], error
 
+    small = ["--rows", "4", "--cols", "3", "--features", "40", "--seeds", "2"]
     result = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "fp32_accumulation.py"), "--rows", "4", "--cols", "3", "--features", "40", "--seeds", "2"],
+        [sys.executable, str(ROOT / "bench" / "fp32_accumulation.py"), *small],
         capture_output=True,
         text=True,
         timeout=60,
@@ -107,31 +118,31 @@ def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
     assert len(result.stdout.splitlines()) == 2 + len(orders), result.stdout
 
 
-def start_gpu_tests(out, test_file, shards, **env):
-    """bench/gpu_tests.py over ``test_file`` in ``shards`` processes, started; returns the process."""
-    command = [*TIME_BOXED, sys.executable, str(ROOT / "bench" / "gpu_tests.py")]
+def start_pytest_shards(out, test_file, shards, **env):
+    """bench/tools/pytest_shards.py over ``test_file`` in ``shards`` processes, started; returns the process."""
+    command = [*TIME_BOXED, sys.executable, str(ROOT / "bench" / "tools" / "pytest_shards.py")]
     command += ["--out", str(out), "--shards", str(shards)]
     command += ["--", "-p", "no:cacheprovider", str(test_file)]
     env = {**os.environ, **env}
     return subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
 
 
-def test_gpu_tests_run_every_test_in_one_shard(tmp_path):
+def test_pytest_shards_run_every_test_in_one_shard(tmp_path):
     """Shard I of N runs every N-th test from the I-th; a failure in any shard fails the run, and the
     runner prints it with each shard's summary."""
     test_file = tmp_path / "test_seven.py"
     test_file.write_text("import pytest\n@pytest.mark.parametrize('i', range(7))\ndef test_n(i):\n    assert i != 5\n")
-    process = start_gpu_tests(tmp_path / "out", test_file, 3)
+    process = start_pytest_shards(tmp_path / "out", test_file, 3)
     output, _ = process.communicate(timeout=120)
     assert process.returncode == 1, output
     for shard in range(3):
-        cases = ElementTree.parse(tmp_path / "out" / f"gpu_tests.{shard}.xml").iter("testcase")
+        cases = ElementTree.parse(tmp_path / "out" / f"shard.{shard}.xml").iter("testcase")
         assert [case.get("name") for case in cases] == [f"test_n[{i}]" for i in range(shard, 7, 3)]
     assert any(line.startswith("FAILED ") and "::test_n[5]" in line for line in output.splitlines()), output
     assert "shard 2: exit 1: 1 failed, 1 passed, 5 deselected" in output, output
 
 
-def test_gpu_tests_pass_an_interrupt_to_every_shard(tmp_path):
+def test_pytest_shards_pass_an_interrupt_to_every_shard(tmp_path):
     """At the time box's SIGINT every shard stops, prints its summary and writes its XML; a shard that
     ignores the SIGINT is killed after the grace period, so no test outlives the runner."""
     started, out = tmp_path / "started", tmp_path / "out"
@@ -146,7 +157,7 @@ def test_gpu_tests_pass_an_interrupt_to_every_shard(tmp_path):
         "    (pathlib.Path(os.environ['STARTED']) / str(shard)).touch()\n"
         "    time.sleep(60)\n"
     )
-    process = start_gpu_tests(out, test_file, 2, STARTED=str(started))
+    process = start_pytest_shards(out, test_file, 2, STARTED=str(started))
     deadline = time.monotonic() + 120
     while len(list(started.iterdir())) < 2 and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -154,42 +165,47 @@ def test_gpu_tests_pass_an_interrupt_to_every_shard(tmp_path):
     output, _ = process.communicate(timeout=60)
     assert process.returncode == 130, output
     assert "shard 0: exit 2: " in output and f"shard 1: exit {-signal.SIGKILL}: " in output, output
-    assert "KeyboardInterrupt" in (out / "gpu_tests.0.log").read_text()
-    ElementTree.parse(out / "gpu_tests.0.xml")  # written whole on the interrupt
+    assert "KeyboardInterrupt" in (out / "shard.0.log").read_text()
+    ElementTree.parse(out / "shard.0.xml")  # written whole on the interrupt
 
 
-def test_gpu_tests_refuse_a_bad_shard(tmp_path):
+def test_pytest_shards_refuse_a_bad_shard(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "gpu_tests", "--shard=2/2", str(tmp_path)],
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "pytest_shards", "--shard=2/2", str(tmp_path)],
         capture_output=True,
         text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT / "bench")},  # pytest and the plugin are all it needs
+        env={**os.environ, "PYTHONPATH": str(ROOT / "bench" / "tools")},  # pytest and the plugin are all it needs
         timeout=120,
     )
     assert result.returncode == pytest.ExitCode.USAGE_ERROR, result.stdout + result.stderr
     assert "--shard: expected I/N with 0 <= I < N, got '2/2'" in result.stderr, result.stderr
 
 
-H200_STEPS = ("gpu_checks", "bench", "planner_check", "gpu_tests")
-H200_FIRST_CALL = ("gpu_checks", "bench")  # what a call naming no steps runs
+GPU_RUN_STEPS = ("gpu_tests", "bench", "planner_check", "kernel_tests")
+GPU_RUN_DEFAULT_STEPS = ("gpu_tests", "bench")  # what a call naming no steps runs
 BENCH_FILES = ["log.txt", "low_memory.csv", "results.csv", "results.md", "time.png"]
 BENCH_FILES += ["memory.png"] if DEVICE.type == "cuda" else []  # peaks are measured on CUDA only
 
 
-def run_h200_dry(out, expected_code, *steps, **env):
-    """bench/h200.sh at toy sizes into ``out``, with ``steps`` as its arguments; returns the finished process."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "H200_DRY_RUN": "1", "OUT": str(out), "PYTHON": sys.executable, **env}
+def run_gpu_run_dry(expected_code, *args, cwd, **env):
+    """bench/gpu_run.sh at toy sizes from ``cwd`` with ``args``; returns the finished process."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "GPU_RUN_DRY": "1", "PYTHON": sys.executable, **env}
     result = subprocess.run(
-        ["bash", str(ROOT / "bench" / "h200.sh"), *steps], capture_output=True, text=True, env=env, timeout=600
+        ["bash", str(ROOT / "bench" / "gpu_run.sh"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=cwd,
+        timeout=600,
     )
     assert result.returncode == expected_code, result.stdout + result.stderr
     return result
 
 
-def h200_log(out, expected_code, *steps, **env):
-    """The log of ``run_h200_dry``."""
-    run_h200_dry(out, expected_code, *steps, **env)
-    return (out / "h200.log").read_text()
+def gpu_run_log(out, expected_code, *args, **env):
+    """The log of ``run_gpu_run_dry`` into ``out``."""
+    run_gpu_run_dry(expected_code, *args, cwd=out.parent, **env)
+    return (out / "gpu_run.log").read_text()
 
 
 def assert_ran(log, steps):
@@ -201,52 +217,65 @@ def assert_ran(log, steps):
 
 
 def archived(out):
-    """The names of the files in ``out``'s checks.tgz."""
+    """The paths of the files in ``out``'s checks.tgz."""
     with tarfile.open(out / "checks.tgz") as archive:
-        return {Path(member.name).name for member in archive.getmembers() if member.isfile()}
+        return {os.path.normpath(member.name) for member in archive.getmembers() if member.isfile()}
 
 
-def test_h200_script_dry_run(tmp_path):
-    """bench/h200.sh end to end at toy sizes, as a lease makes it in two calls: with no arguments the
-    install, the correctness checks and the bench (what the issues need first); then the other two steps,
-    into an emptied $OUT as the device tool empties it. Each call hands back its files within the 8-file limit."""
+def test_gpu_run_kernel_tests_exist():
+    """The dry run runs one file of the kernel tests: the others must exist for the run on a GPU to find them."""
+    listed = re.search(r"^kernel_tests=\(([^)]*)\)", (ROOT / "bench" / "gpu_run.sh").read_text(), re.MULTILINE)
+    paths = listed[1].split()
+    assert paths and all((ROOT / path).is_file() for path in paths), paths
+
+
+def test_gpu_run_dry_run(tmp_path):
+    """bench/gpu_run.sh end to end at toy sizes, in its two calls: with no steps named the install, the GPU
+    tests and the bench; then the other two steps, into a folder of their own (named by GPU_RUN_OUT this
+    time). Each keeps the folder to a few files: the bench's, the log, and an archive of the rest."""
     first, second = tmp_path / "first", tmp_path / "second"
-    first.mkdir()
-    second.mkdir()
-    assert_ran(h200_log(first, 0), H200_FIRST_CALL)
-    assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "h200.log"])
-    assert archived(first) == {"gpu_checks.json"}
-    rest = tuple(step for step in H200_STEPS if step not in H200_FIRST_CALL)
-    assert_ran(h200_log(second, 0, *rest), rest)
-    assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "h200.log"]
-    shards = {f"gpu_tests.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
+    assert_ran(gpu_run_log(first, 0, "--out", str(first)), GPU_RUN_DEFAULT_STEPS)
+    assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "gpu_run.log"])
+    assert archived(first) == {"gpu_tests.xml"}
+    rest = tuple(step for step in GPU_RUN_STEPS if step not in GPU_RUN_DEFAULT_STEPS)
+    assert_ran(gpu_run_log(second, 0, *rest, GPU_RUN_OUT=str(second)), rest)
+    assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "gpu_run.log"]
+    shards = {f"kernel_tests/shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
     assert archived(second) == {"planner_check.json", "planner_check.csv", *shards}
 
 
-def test_h200_script_refuses_an_unknown_step(tmp_path):
-    result = run_h200_dry(tmp_path, 2, "bench", "gpu_check")
-    assert "unknown step 'gpu_check'" in result.stderr and "gpu_checks, bench" in result.stderr, result.stderr
+def test_gpu_run_refuses_an_unknown_step_or_option(tmp_path):
+    result = run_gpu_run_dry(2, "--out", str(tmp_path), "bench", "gpu_test", cwd=tmp_path)
+    assert "unknown step 'gpu_test'" in result.stderr and "gpu_tests, bench" in result.stderr, result.stderr
+    result = run_gpu_run_dry(2, "--outdir", str(tmp_path), cwd=tmp_path)
+    assert "unknown option '--outdir'" in result.stderr, result.stderr
     assert not any(tmp_path.iterdir()), "nothing ran"
 
 
-def test_h200_script_past_its_deadline_skips_steps_and_still_archives(tmp_path):
-    """With no time left before H200_DEADLINE_S, every step is skipped and said so, the run fails, and the
-    archive and log still come back."""
-    log = h200_log(tmp_path, 1, *H200_STEPS, H200_DEADLINE_S="0")
-    for step in H200_STEPS:
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="a CUDA GPU is here")
+def test_gpu_run_stops_without_a_gpu_unless_dry(tmp_path):
+    """Without CUDA the GPU tests skip, which pytest counts a pass: a run that is not dry stops first."""
+    log = gpu_run_log(tmp_path / "out", 2, "--out", "out", GPU_RUN_DRY="0")
+    assert "no CUDA GPU here" in log and "===" not in log, log
+
+
+def test_gpu_run_past_its_deadline_skips_steps_and_still_archives(tmp_path):
+    """With no time left before GPU_RUN_DEADLINE_S, every step is skipped and said so, the run fails, and the
+    archive and log are still written (into an --out relative to the caller's folder)."""
+    log = gpu_run_log(tmp_path / "out", 1, "--out", "out", *GPU_RUN_STEPS, GPU_RUN_DEADLINE_S="0")
+    for step in GPU_RUN_STEPS:
         assert f"=== {step} skipped: " in log and f"=== {step} took" not in log, log
-    assert sorted(path.name for path in tmp_path.iterdir()) == ["checks.tgz", "h200.log"]
+    assert sorted(path.name for path in (tmp_path / "out").iterdir()) == ["checks.tgz", "gpu_run.log"]
 
 
-def test_h200_script_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
-    """The device has no registry: should the offline install fail, the steps still run, from a copy of the
-    source in the installed layout (fused_vision.kernels from kernels/)."""
+def test_gpu_run_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
+    """Where pip cannot install offline, the steps still run, from a copy of the source in the installed
+    layout (fused_vision.kernels from kernels/)."""
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 1\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     out = tmp_path / "out"
-    out.mkdir()
-    log = h200_log(out, 0, *H200_STEPS, PYTHON=str(python))
+    log = gpu_run_log(out, 0, "--out", str(out), *GPU_RUN_STEPS, PYTHON=str(python))
     staged = log.split("running from a staged copy of the source in ")[1].split()[0]
     assert f"from {staged}/fused_vision " in log, "the steps import the staged copy"
-    assert_ran(log, H200_STEPS)
+    assert_ran(log, GPU_RUN_STEPS)

@@ -1,4 +1,4 @@
-"""Run pytest in parallel shards on one machine: the kernel tests on the GPU (h200.sh's gpu_tests step).
+"""Run pytest in parallel shards on one machine: the kernel tests on the GPU (bench/gpu_run.sh's kernel_tests step).
 
 Their time goes to building kernels, not running them: ~216 kernels, which took ~250 s to build for sm_90
 on this project's 2-core CPU machine, then seconds on the GPU. A process builds one kernel at a time, so N
@@ -6,14 +6,14 @@ processes share the building, each running every N-th collected test: neighbours
 build different kernels and go to different shards, and a kernel one shard has built loads from Triton's
 on-disk cache in the others.
 
-    python bench/gpu_tests.py --out DIR [--shards N] -- PYTEST_ARGS...
+    python bench/tools/pytest_shards.py --out DIR [--shards N] -- PYTEST_ARGS...
 
-Each shard writes DIR/gpu_tests.I.log and DIR/gpu_tests.I.xml (JUnit). This prints each shard's failures
+Each shard writes DIR/shard.I.log and DIR/shard.I.xml (JUnit). This prints each shard's failures
 and summary line, and exits 0 if every shard passed, 1 if any failed, 130 if interrupted. A SIGINT (the
 time box's) goes to every shard once, so each prints its summary and writes its XML; shards still running
 10 s later are killed.
 
-This module is also the pytest plugin that gives the shards their ``--shard I/N`` option (``-p gpu_tests``).
+This module is also the pytest plugin that gives the shards their ``--shard I/N`` option (``-p pytest_shards``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import pytest
 
-GRACE_S = 10  # h200.sh kills this runner 15 s after its SIGINT
+GRACE_S = 10  # gpu_run.sh kills this runner 15 s after its SIGINT
 # Prime: a parameter of 2 to 6 values cycling in step with the shards would give some shards every test of
 # one value (8 shards: every `triton` test of a triton/reference pair to the even ones, every build to 4 cores).
 DEFAULT_SHARDS = 7
@@ -67,15 +67,15 @@ def main() -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     here = str(Path(__file__).resolve().parent)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")])))
-    print(f"gpu_tests: {args.shards} shards of: {' '.join(args.pytest_args)}", flush=True)
+    print(f"pytest_shards: {args.shards} shards of: {' '.join(args.pytest_args)}", flush=True)
     shards, interrupted = [], False
     try:
         for index in range(args.shards):
             command = [
-                sys.executable, "-m", "pytest", "-q", "-p", "gpu_tests", f"--shard={index}/{args.shards}",
-                "--junitxml", str(args.out / f"gpu_tests.{index}.xml"), *args.pytest_args,
+                sys.executable, "-m", "pytest", "-q", "-p", "pytest_shards", f"--shard={index}/{args.shards}",
+                "--junitxml", str(args.out / f"shard.{index}.xml"), *args.pytest_args,
             ]  # fmt: skip
-            with open(args.out / f"gpu_tests.{index}.log", "w") as log:
+            with open(args.out / f"shard.{index}.log", "w") as log:
                 # A session of its own: a Ctrl-C at a terminal reaches the shards once, through this runner.
                 shard = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
             shards.append(shard)
@@ -92,7 +92,7 @@ def main() -> int:
                 shard.kill()
                 shard.wait()
     for index, shard in enumerate(shards):
-        lines = (args.out / f"gpu_tests.{index}.log").read_text(errors="replace").splitlines()
+        lines = (args.out / f"shard.{index}.log").read_text(errors="replace").splitlines()
         failures = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
         summary = next((line for line in reversed(lines) if line.strip()), "(no output)")
         print(*failures, f"shard {index}: exit {shard.returncode}: {summary}", sep="\n")

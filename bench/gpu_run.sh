@@ -1,0 +1,149 @@
+#!/usr/bin/env bash
+# A GPU run in steps of a few minutes each, in the order named, each in a time box:
+#   bash bench/gpu_run.sh [--out DIR] [STEP...]
+# A full run takes two calls. With no step named, the correctness tests at real shapes, then the benchmark:
+#   bash bench/gpu_run.sh                              gpu_tests bench                ~5.5 min, box 450 s
+#   bash bench/gpu_run.sh planner_check kernel_tests   the other two                  ~2.5 min, box 300 s
+# Where a step failed, rerun it alone. The steps:
+#   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
+#                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
+#                  the table gradient), with syncs forbidden and in CUDA graphs    box 150 s, ~1 to 2 min
+#   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
+#   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
+#   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
+#                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
+#                  box is by design and does not fail the run                      box 150 s
+# Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
+# checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs), so DIR holds few files.
+# Exits non-zero if any step failed; later steps still run.
+# Each box is cut to what is left before GPU_RUN_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
+# install and archive, counted from the start), so a slow or hung step costs its own results, not the later
+# steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured, the XML
+# and the logs keep every test and planner row that finished.
+# GPU_RUN_DRY=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU under
+# TRITON_INTERPRET=1), to test this script. PYTHON: default python3.
+set -uo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="${GPU_RUN_OUT:-$root/bench/out/gpu_run}"
+steps=()
+while [ "$#" -gt 0 ]; do
+  case $1 in
+    --out)
+      [ "$#" -ge 2 ] || { echo "gpu_run.sh: --out needs a folder" >&2; exit 2; }
+      out=$2; shift 2 ;;
+    --out=*) out=${1#--out=}; shift ;;
+    -h | --help) sed -n '2,/^[^#]/s/^# \{0,1\}//p' "$0"; exit 0 ;;
+    -*) echo "gpu_run.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    *) steps+=("$1"); shift ;;
+  esac
+done
+out="$(realpath -m "$out")"  # absolute, from the caller's folder: the steps run from the root or a staged copy
+cd "$root" || exit 1
+python="${PYTHON:-python3}"
+dry=${GPU_RUN_DRY:-0}
+# Fastest to compile first, so the box cuts the slowest: a lookup kernel builds in under a second, each
+# autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
+kernel_tests=(tests/test_validation.py tests/test_position_embeddings.py tests/test_pool_by_positions.py
+  tests/test_patch_embed.py)
+if [ "$dry" != 0 ]; then
+  export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
+  bench_args=(--tiny --quick --ops position_embeddings --providers onehot,fused)
+  planner_args=(--device cpu --tiny)
+  kernel_tests=(tests/test_validation.py)
+  shards_args=(--shards 2)
+else
+  bench_args=(--time-budget 200)
+  planner_args=()
+  shards_args=()
+fi
+# Each step's time box in seconds, and the steps of a call with no arguments.
+declare -A box=([gpu_tests]=150 [bench]=270 [planner_check]=120 [kernel_tests]=150)
+[ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
+default_deadline=30  # install and archive, then the steps' boxes
+for name in "${steps[@]}"; do
+  if [ -z "${box[$name]:-}" ]; then
+    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests" >&2
+    exit 2
+  fi
+  default_deadline=$((default_deadline + box[$name]))
+done
+deadline=$((SECONDS + ${GPU_RUN_DEADLINE_S:-$default_deadline}))
+checks="$(mktemp -d)"
+mkdir -p "$out"
+exec > >(tee "$out/gpu_run.log") 2>&1
+tee_pid=$!
+# bash does not wait for a process substitution: close its pipe and wait, so the log is whole on exit.
+trap 'exec >&- 2>&-; wait "$tee_pid"' EXIT
+export PYTHONUNBUFFERED=1
+export TRITON_PRINT_AUTOTUNING=1  # the log keeps each key's winning tile, to prune the candidates later
+
+archive() {  # after every step, run or skipped: a run cut short still keeps the finished steps' files
+  tar -czf "$checks.tgz" -C "$checks" . && mv "$checks.tgz" "$out/checks.tgz"  # built outside DIR, moved whole
+}
+
+status=0
+step() {  # step NAME COMMAND...: run, time-box, time and record one step without stopping the others
+  local name=$1 limit=${box[$1]}; shift
+  local left=$((deadline - SECONDS - 15))  # 15 s kept for the archive
+  if [ "$left" -lt 20 ]; then
+    echo "=== $name skipped: ${left} s left before the deadline"
+    status=1
+    archive
+    return
+  fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  echo "=== $name (box ${limit} s): $*"
+  local start=$SECONDS code=0
+  # SIGINT at the box, so Python writes what it has and pytest prints its summary; SIGKILL 15 s later.
+  # --foreground: the signal goes to the step once (not again to its process group, mid-report).
+  timeout --foreground -s INT -k 15 "$limit" "$@" || code=$?
+  if [ "$code" -eq 124 ]; then
+    echo "=== $name reached its time box (what ran is in the log and its report)"
+    # Only the kernel tests may stop short by design; a checking step cut short did not check everything.
+    [ "$name" = kernel_tests ] || status=1
+  elif [ "$code" -eq 137 ]; then
+    echo "=== $name KILLED: still running 15 s after its time box's SIGINT"
+    status=1
+  elif [ "$code" -ne 0 ]; then
+    echo "=== $name FAILED (exit $code)"
+    status=1
+  fi
+  echo "=== $name took $((SECONDS - start)) s"
+  archive
+}
+
+# The steps are for a GPU (without one the GPU tests skip, which pytest counts a pass): stop before installing.
+if [ "$dry" = 0 ] && ! "$python" -c "import torch, sys; sys.exit(not torch.cuda.is_available())"; then
+  echo "gpu_run.sh: no CUDA GPU here (GPU_RUN_DRY=1 runs the steps at toy sizes on any machine)"
+  exit 2
+fi
+# A GPU machine may reach no package index: --no-index keeps pip from trying one (its version check
+# included), and the install builds with the setuptools it has. Where it cannot (an old setuptools), the
+# steps run in a copy of the tree laid out as installed (fused_vision.kernels from kernels/), rather than
+# lose the run to a packaging error; only the version then reads 0+unknown. The copy is also the working
+# directory, which `python -m` puts first.
+if ! "$python" -m pip install -q --no-index --no-deps --no-build-isolation -e .; then
+  staged="$(mktemp -d)"
+  cp -r pyproject.toml fused_vision bench tests "$staged/" && cp -r kernels "$staged/fused_vision/kernels" || exit 1
+  cd "$staged" || exit 1
+  export PYTHONPATH="$staged${PYTHONPATH:+:$PYTHONPATH}"
+  echo "pip could not install fused_vision: running from a staged copy of the source in $staged"
+fi
+"$python" -c "import torch, triton, transformers, fused_vision; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, 'fused_vision', fused_vision.__version__, 'from', fused_vision.__path__[0], torch.cuda.get_device_name() if torch.cuda.is_available() else 'no GPU')"
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+
+for name in "${steps[@]}"; do
+  case $name in
+    # xunit1: the XML keeps the figures the tests record (errors against float64, largest differences).
+    gpu_tests) step gpu_tests "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
+      -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" tests/gpu ;;
+    bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}" ;;
+    planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
+    # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
+    kernel_tests) step kernel_tests "$python" bench/tools/pytest_shards.py --out "$checks/kernel_tests" \
+      "${shards_args[@]}" -- --maxfail=10 -p no:cacheprovider "${kernel_tests[@]}" ;;
+  esac
+done
+
+cat "$out/results.md" 2>/dev/null
+exit "$status"
