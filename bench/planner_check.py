@@ -24,9 +24,9 @@ import math
 import os
 import sys
 import weakref
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from collections.abc import Iterator
 
 import torch
 import transformers
@@ -50,9 +50,17 @@ GEMMA4_26B_31B = dict(
     pooling_kernel_size=POOLING_KERNEL,
 )
 TINY = dict(
-    hidden_size=96, intermediate_size=360, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=4, head_dim=24, position_embedding_size=64, patch_size=4,
-    pooling_kernel_size=3, use_clipped_linears=False, standardize=True,
+    hidden_size=96,
+    intermediate_size=360,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    head_dim=24,
+    position_embedding_size=64,
+    patch_size=4,
+    pooling_kernel_size=3,
+    use_clipped_linears=False,
+    standardize=True,
 )
 # (kind, soft tokens per item, chunk sizes): full size, then tiny.
 CASES = {

@@ -1,6 +1,7 @@
 """fused_vision: the Gemma 4 vision stem without the one-hot, as Triton kernels with PyTorch fallbacks."""
 
-from importlib.metadata import PackageNotFoundError, version as _version
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
 
 from .encoding import encode_images
 from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4

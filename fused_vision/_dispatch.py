@@ -137,7 +137,10 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
     # (dynamo cannot trace the wrapper check: under torch.compile the registered op runs, as before.)
     in_transform = not torch.compiler.is_compiling() and _functorch_transform() is not None
     if in_transform and any(t is not None and _grad_tracked(t) for t in tensors):
-        missing, runs = "no torch.func support", "torch.func transforms run the PyTorch reference (pytorch/pytorch#168393)"
+        missing, runs = (
+            "no torch.func support",
+            "torch.func transforms run the PyTorch reference (pytorch/pytorch#168393)",
+        )
     elif fwAD._current_level >= 0 and any(t is not None and fwAD.unpack_dual(t).tangent is not None for t in tensors):
         missing, runs = "no forward-mode AD", "forward-mode AD runs the PyTorch reference, which carries tangents"
     else:

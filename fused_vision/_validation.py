@@ -117,17 +117,27 @@ def check_patch_embed_inputs(
     hidden, features = weight.shape
     check_table(table, (weight.dtype,))
     if table.shape[2] != hidden:
-        raise ValueError(f"table: expected shape (2, P, D) with D = weight.shape[0] = {hidden}, got {tuple(table.shape)}")
+        raise ValueError(
+            f"table: expected shape (2, P, D) with D = weight.shape[0] = {hidden}, got {tuple(table.shape)}"
+        )
     batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
     check_tensor("pixel_values", pixel_values, 3, FLOAT_DTYPES)
     check_shape("pixel_values", pixel_values, (batch, seq_len, features), "(B, N, weight.shape[1])")
     check_same_device(
-        pixel_values=pixel_values, weight=weight, table=table, position_ids=position_ids, padding_positions=padding_positions
+        pixel_values=pixel_values,
+        weight=weight,
+        table=table,
+        position_ids=position_ids,
+        padding_positions=padding_positions,
     )
 
 
 def check_pool_inputs(
-    hidden_states: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length, round_average
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length,
+    round_average,
 ) -> None:
     check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
     if not isinstance(round_average, bool):

@@ -88,7 +88,9 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
         if q.dtype not in (torch.int32, torch.int64):  # the fused ops' (5.5-5.9's one-hot takes only int64)
             raise TypeError(f"pixel_position_ids: item {i}: expected dtype int32 or int64, got {q.dtype}")
         if pixels and p.shape[1] != pixels[0].shape[1]:  # one tower, one patch size: items of a bucket are stacked
-            raise ValueError(f"pixel_values: item {i}: expected {pixels[0].shape[1]} features like item 0, got {p.shape[1]}")
+            raise ValueError(
+                f"pixel_values: item {i}: expected {pixels[0].shape[1]} features like item 0, got {p.shape[1]}"
+            )
         pixels.append(p)
         ids.append(q)
     return pixels, ids, stacked

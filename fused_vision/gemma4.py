@@ -169,7 +169,9 @@ def _embedder_position_embeddings(self, pixel_position_ids, padding_positions, *
     around its own ``input_proj`` and asks the module for the lookup alone.
     """
     if args or kwargs or _lookup_runs_stock(self, pixel_position_ids):
-        return patching.stock_method(self, "_position_embeddings")(pixel_position_ids, padding_positions, *args, **kwargs)
+        return patching.stock_method(self, "_position_embeddings")(
+            pixel_position_ids, padding_positions, *args, **kwargs
+        )
     fused = patching.fused_state(self)
     return _fused_position_embeddings(
         _lookup_table(self, fused), pixel_position_ids, padding_positions, backend=fused.backend
@@ -180,7 +182,9 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
     """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
     # args, kwargs: arguments of a newer stock signature; let stock handle them
     if args or kwargs or embedder_runs_stock(self, pixel_values, pixel_position_ids):
-        return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, padding_positions, *args, **kwargs)
+        return patching.stock_method(self, "forward")(
+            pixel_values, pixel_position_ids, padding_positions, *args, **kwargs
+        )
 
     fused, table, weight = patching.fused_state(self), self.position_embedding_table, self.input_proj.weight
     if (

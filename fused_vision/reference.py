@@ -78,7 +78,9 @@ def pooling_kernel_size(seq_len: int, output_length: int) -> int:
         )
     k = math.isqrt(seq_len // output_length)
     if k * k * output_length != seq_len:
-        raise ValueError(f"Cannot pool {seq_len} patches to {output_length}: {k=}^2 times {output_length=} must be {seq_len}.")
+        raise ValueError(
+            f"Cannot pool {seq_len} patches to {output_length}: {k=}^2 times {output_length=} must be {seq_len}."
+        )
     return k
 
 

@@ -58,7 +58,9 @@ def _embedding_pooler_classes() -> list[type]:
     except ImportError as exc:
         if getattr(exc, "name", None) != SGLANG_EMBEDDING_MODULE:
             # SGLang could not serve EmbeddingGemma2 either; Gemma 4 itself still gets patched
-            logger.warning("fused_vision: %s does not import (%s); its pooler stays stock", SGLANG_EMBEDDING_MODULE, exc)
+            logger.warning(
+                "fused_vision: %s does not import (%s); its pooler stays stock", SGLANG_EMBEDDING_MODULE, exc
+            )
         return []
     pooler = getattr(module, "EmbeddingGemma2VisionPooler", None)
     return [pooler] if isinstance(pooler, type) else []
@@ -68,7 +70,12 @@ def _pools_fused(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) ->
     """Whether an SGLang pooler hands ``inputs`` to ``pool_by_positions``: not where stock skips the pooling
     (N == L: a scale, nothing to fuse; EmbeddingGemma2's mask is then ``~padding_positions``)."""
     hidden_states, _, _, output_length = inputs
-    return not args and not kwargs and gemma4.pooler_runs_fused(pooler, *inputs) and output_length != hidden_states.shape[1]
+    return (
+        not args
+        and not kwargs
+        and gemma4.pooler_runs_fused(pooler, *inputs)
+        and output_length != hidden_states.shape[1]
+    )
 
 
 def _pooler_forward(self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs):

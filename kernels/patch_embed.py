@@ -93,10 +93,30 @@ def _patch_embed_kernel(
 
     hidden_states = round_to(acc, DTYPE).to(tl.float32)
     x, y, padding = load_positions(
-        ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+        ids_ptr,
+        padding_ptr,
+        batch,
+        patch,
+        row_in,
+        stride_ids_b,
+        stride_ids_n,
+        stride_ids_axis,
+        stride_padding_b,
+        stride_padding_n,
     )
     pe = position_embeddings_tile(
-        table_ptr, x, y, padding, row_in, cols, col_in, num_positions, stride_table_axis, stride_table_pos, stride_table_d, DTYPE
+        table_ptr,
+        x,
+        y,
+        padding,
+        row_in,
+        cols,
+        col_in,
+        num_positions,
+        stride_table_axis,
+        stride_table_pos,
+        stride_table_d,
+        DTYPE,
     )
     out = round_to(hidden_states + pe, DTYPE)
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])

@@ -17,7 +17,16 @@ from .common import TORCH_TO_TL, gather_launch_config, int32_inner_offsets, inte
 
 @triton.jit
 def load_positions(
-    ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+    ids_ptr,
+    padding_ptr,
+    batch,
+    patch,
+    row_in,
+    stride_ids_b,
+    stride_ids_n,
+    stride_ids_axis,
+    stride_padding_b,
+    stride_padding_n,
 ):
     """The (x, y) ids as int64 and the padding flag of each row of a tile."""
     ids_row = ids_ptr + batch * stride_ids_b + patch * stride_ids_n
@@ -107,10 +116,30 @@ def _position_embeddings_kernel(
     patch = rows % seq_len
 
     x, y, padding = load_positions(
-        ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+        ids_ptr,
+        padding_ptr,
+        batch,
+        patch,
+        row_in,
+        stride_ids_b,
+        stride_ids_n,
+        stride_ids_axis,
+        stride_padding_b,
+        stride_padding_n,
     )
     pe = position_embeddings_tile(
-        table_ptr, x, y, padding, row_in, cols, col_in, num_positions, stride_table_axis, stride_table_pos, stride_table_d, OUT_DTYPE
+        table_ptr,
+        x,
+        y,
+        padding,
+        row_in,
+        cols,
+        col_in,
+        num_positions,
+        stride_table_axis,
+        stride_table_pos,
+        stride_table_d,
+        OUT_DTYPE,
     )
     if HAS_RESIDUAL:
         residual = tl.load(
@@ -197,7 +226,16 @@ def _table_grad_kernel(
     batch = rows // seq_len
     patch = rows % seq_len
     x, y, padding = load_positions(
-        ids_ptr, padding_ptr, batch, patch, row_in, stride_ids_b, stride_ids_n, stride_ids_axis, stride_padding_b, stride_padding_n
+        ids_ptr,
+        padding_ptr,
+        batch,
+        patch,
+        row_in,
+        stride_ids_b,
+        stride_ids_n,
+        stride_ids_axis,
+        stride_padding_b,
+        stride_padding_n,
     )
     x, y, _, scatter_rows = table_rows(x, y, padding, row_in, num_positions)
     scatter = scatter_rows[:, None] & col_in[None, :]

@@ -87,7 +87,6 @@ def assert_soft_tokens_match(got, stock, exact, what):
     assert_as_accurate_as_stock(got, stock, exact, floor=floor, ords=(2, float("inf")), what=what)
 
 
-
 TINY_TEXT = dict(
     hidden_size=32,
     intermediate_size=64,
@@ -112,7 +111,6 @@ def fused_ops(model):
     return sorted(str(m._fused_vision) for m in model.modules() if getattr(m, "_fused_vision", None) is not None)
 
 
-
 def processor_batch(sizes, max_soft_tokens, seed):
     from PIL import Image
 
@@ -128,4 +126,3 @@ def processor_batch(sizes, max_soft_tokens, seed):
 
 
 SIZES = [(48, 80), (100, 36), (61, 61)]  # landscape, portrait, square-ish odd
-

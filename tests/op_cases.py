@@ -2,8 +2,9 @@
 
 import torch
 
-from conftest import DEVICE
 from fused_vision import reference
+
+from conftest import DEVICE
 
 # One unit in the last place, relative: 2**-(stored mantissa bits).
 ULP = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}
@@ -47,8 +48,12 @@ def assert_matches_stock(actual, pixels, weight, table, ids):
     if (error > bound).any():
         worst = (error - bound).flatten().topk(min(5, error.numel())).indices
         coords = [tuple(int(c) for c in torch.unravel_index(i, error.shape)) for i in worst]
-        detail = "; ".join(f"{c}: {actual[c].item():.7g} vs {stock[c].item():.7g} (bound {bound[c].item():.3g})" for c in coords)
-        raise AssertionError(f"{int((error > bound).sum())} elements differ from stock beyond rounding; worst: {detail}")
+        detail = "; ".join(
+            f"{c}: {actual[c].item():.7g} vs {stock[c].item():.7g} (bound {bound[c].item():.3g})" for c in coords
+        )
+        raise AssertionError(
+            f"{int((error > bound).sum())} elements differ from stock beyond rounding; worst: {detail}"
+        )
 
 
 def grid_ids(width, height, seq_len):

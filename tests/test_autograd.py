@@ -125,7 +125,9 @@ def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, 
     grad_out[..., 3::7] = -1e-9  # rounds to -0.0 in fp16
 
     def fused(h):
-        return fused_vision.pool_by_positions(h, ids, padding, output_length, round_average=round_average, backend=backend)
+        return fused_vision.pool_by_positions(
+            h, ids, padding, output_length, round_average=round_average, backend=backend
+        )
 
     def stock(h):
         return reference.onehot_pool_by_positions(h, ids, padding, output_length, round_average)
@@ -177,17 +179,33 @@ def op_samples():
     return [
         ("position_embeddings", (table, ids, padding, residual, "auto")),
         ("position_embeddings", (table, ids, padding, None, "reference")),
-        ("patch_embed", (pixels.requires_grad_(True), weight.requires_grad_(True), ptable.requires_grad_(True), pids,
-                         reference.default_padding_positions(pids), "auto")),
+        (
+            "patch_embed",
+            (
+                pixels.requires_grad_(True),
+                weight.requires_grad_(True),
+                ptable.requires_grad_(True),
+                pids,
+                reference.default_padding_positions(pids),
+                "auto",
+            ),
+        ),
         ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, True, "auto")),
         ("pool_by_positions", (hidden_states.to(torch.bfloat16), pool_ids, pool_padding, 4, False, "auto")),
         ("position_embeddings_table_grad", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
-        ("pool_by_positions_backward", (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, True, "auto")),
+        (
+            "pool_by_positions_backward",
+            (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, True, "auto"),
+        ),
         # gradients that require grad: double backward through the backward ops
-        ("position_embeddings_table_grad",
-         (torch.randn(2, 11, 24, requires_grad=True), ids, padding, 20, torch.float32, "auto")),
-        ("pool_by_positions_backward",
-         (torch.randn(2, 4, 24, requires_grad=True), pool_ids, pool_padding, 4, torch.float32, False, "auto")),
+        (
+            "position_embeddings_table_grad",
+            (torch.randn(2, 11, 24, requires_grad=True), ids, padding, 20, torch.float32, "auto"),
+        ),
+        (
+            "pool_by_positions_backward",
+            (torch.randn(2, 4, 24, requires_grad=True), pool_ids, pool_padding, 4, torch.float32, False, "auto"),
+        ),
     ]
 
 
@@ -201,7 +219,9 @@ def test_compile_fullgraph_forward_and_backward(backend):
     pixels, weight, table, ids = make_inputs(2, 36, 48, 24, 20, torch.float32, torch.float32, 9)
     weight.requires_grad_(True)
     table.requires_grad_(True)
-    pool_ids = torch.stack([torch.stack(torch.meshgrid(torch.arange(6), torch.arange(6), indexing="xy"), -1).flatten(0, 1)] * 2)
+    pool_ids = torch.stack(
+        [torch.stack(torch.meshgrid(torch.arange(6), torch.arange(6), indexing="xy"), -1).flatten(0, 1)] * 2
+    )
     pool_ids[:, 27:] = -1
 
     def stem(pixel_values, weight, table):
@@ -231,6 +251,7 @@ def full_grids(batch, side):
 def test_compile_dynamic_shapes_pooler():
     """With dynamic shapes N and L are symbolic: the pooler traces without a graph break, and a second
     image size runs through the same graph."""
+
     def pool(hidden_states, ids):
         return fused_vision.pool_by_positions(hidden_states, ids, (ids == -1).all(-1), ids.shape[1] // 9)[0]
 
@@ -326,7 +347,11 @@ def _per_sample_cases():
         "position_embeddings": (lookup, (table, ids, cotangent), (None, 0, 0), (0,), (1, bad_ids)),
         "patch_embed": (embed, (weight, table, pixels, ids, cotangent), (None, None, 0, 0, 0), (0, 1), (3, bad_ids)),
         "pool_by_positions": (
-            pool, (hidden_states, pool_ids, pool_padding, pool_cotangent), (0, 0, 0, 0), (0,), (1, bad_pool_ids)
+            pool,
+            (hidden_states, pool_ids, pool_padding, pool_cotangent),
+            (0, 0, 0, 0),
+            (0,),
+            (1, bad_pool_ids),
         ),
     }
 

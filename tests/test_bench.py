@@ -16,7 +16,15 @@ import torch
 
 from fused_vision.__main__ import main
 from fused_vision.bench import Case, report, runner, targets
-from fused_vision.bench.ops import STEM_OPS, PositionEmbeddings, PositionEmbeddingsBackward, PatchEmbed, PatchEmbedBackward, PoolByPositions, PoolByPositionsBackward
+from fused_vision.bench.ops import (
+    STEM_OPS,
+    PatchEmbed,
+    PatchEmbedBackward,
+    PoolByPositions,
+    PoolByPositionsBackward,
+    PositionEmbeddings,
+    PositionEmbeddingsBackward,
+)
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
 from conftest import DEVICE, TIME_BOXED
@@ -49,9 +57,17 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     assert set(REQUIRED_COLUMNS) <= set(columns)
     measured = {(row["op"], row["provider"]) for row in rows}
     expected = {("copy", "torch"), ("matmul", "torch")}
-    expected |= {(op, p) for op in ("position_embeddings", "patch_embed") for p in ("onehot", "embedding", "fused", "fused_kernel")}
+    expected |= {
+        (op, p)
+        for op in ("position_embeddings", "patch_embed")
+        for p in ("onehot", "embedding", "fused", "fused_kernel")
+    }
     expected |= {("pool_by_positions", p) for p in ("onehot", "fused", "fused_kernel")}
-    expected |= {(op, p) for op in ("position_embeddings_backward", "patch_embed_backward") for p in ("onehot", "embedding", "fused")}
+    expected |= {
+        (op, p)
+        for op in ("position_embeddings_backward", "patch_embed_backward")
+        for p in ("onehot", "embedding", "fused")
+    }
     expected |= {("pool_by_positions_backward", p) for p in ("onehot", "fused")}
     expected |= {(tower, p) for tower in TOWERS for p in ("onehot", "embedding", "fused")}
     assert measured == expected
@@ -159,7 +175,14 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
     monkeypatch.setattr(runner, "bench_tower", interrupted_tower)
     sigint_handler = signal.getsignal(signal.SIGINT)
     out = tmp_path / "bench"
-    args = ["--ops", "position_embeddings,tower_e2b_e4b,pool_by_positions", "--providers", "embedding,onehot", "--out", str(out)]
+    args = [
+        "--ops",
+        "position_embeddings,tower_e2b_e4b,pool_by_positions",
+        "--providers",
+        "embedding,onehot",
+        "--out",
+        str(out),
+    ]
     assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", *args]) == 130
     _, rows = read_csv(out / "results.csv")
     assert [(row["op"], row["provider"]) for row in rows] == [
@@ -194,6 +217,7 @@ def test_sigint_mid_run_writes_the_reports(tmp_path):
 
 def test_the_dtype_follows_the_device_unless_given(tmp_path):
     """bf16 on a GPU (the checkpoints'); fp32 on a CPU, which may emulate bf16 matmuls 50x slower."""
+
     def plan(device, dtype=None):
         return runner.Plan.of(runner.Options(device=torch.device(device), out=tmp_path, dtype=dtype)).dtype
 
@@ -201,7 +225,11 @@ def test_the_dtype_follows_the_device_unless_given(tmp_path):
     assert plan("cpu", torch.float16) == torch.float16 and plan("cuda", torch.float32) == torch.float32
     out = run_cli(tmp_path, "--ops", "position_embeddings", "--providers", "embedding", "--dtype", "float16")
     _, rows = read_csv(out / "results.csv")
-    assert [(row["op"], row["dtype"]) for row in rows] == [("copy", "float32"), ("matmul", "float16"), ("position_embeddings", "float16")]
+    assert [(row["op"], row["dtype"]) for row in rows] == [
+        ("copy", "float32"),
+        ("matmul", "float16"),
+        ("position_embeddings", "float16"),
+    ]
 
 
 def test_bad_arguments_are_usage_errors(capsys):
@@ -259,7 +287,11 @@ def test_byte_models_match_hand_counts():
     assert patch_embed.flops == 2 * 630 * 768 * 1152
 
     pooled = 70 * (1152 * 4 + 1)  # float32 (L, D) and the (L,) mask
-    assert PoolByPositions(case, 1152, torch.bfloat16, cpu).model_bytes == patches * row + ids_and_padding + pooled == 1_784_860
+    assert (
+        PoolByPositions(case, 1152, torch.bfloat16, cpu).model_bytes
+        == patches * row + ids_and_padding + pooled
+        == 1_784_860
+    )
 
     table_grad = 2 * 10240 * row
     lookup_backward = patches * row + ids_and_padding + table_grad
@@ -269,7 +301,10 @@ def test_byte_models_match_hand_counts():
     assert patch_embed_backward.model_bytes == 630 * 768 * 4 + weight_grad + lookup_backward
     assert patch_embed_backward.flops == 2 * 630 * 768 * 1152
     pooled_grad = 70 * 1152 * 4
-    assert PoolByPositionsBackward(case, 1152, torch.bfloat16, cpu).model_bytes == pooled_grad + ids_and_padding + patches * row
+    assert (
+        PoolByPositionsBackward(case, 1152, torch.bfloat16, cpu).model_bytes
+        == pooled_grad + ids_and_padding + patches * row
+    )
 
 
 def stem_row(op, provider, ms, case="image_32x280", hidden=1152, peak=None, output=0, requested=None):
@@ -308,10 +343,14 @@ def test_targets_are_judged_from_the_rows():
     unjudged = "pool_by_positions ≥ 10× faster than onehot, pool_by_positions peak beyond inputs and output < 1 MiB"
     assert summary.endswith(f"; not judged (a row missing): {unjudged}"), "the pooler ran at another case only"
     lines = report.goal_lines(rows)
-    pooler = "| pool_by_positions ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms |"
+    pooler = (
+        "| pool_by_positions ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms |"
+    )
     assert pooler + " yes |" in lines
     elsewhere = report.goal_summary(targets.verdicts(rows[5:7]))
-    assert elsewhere.endswith("not judged, this run has no fused row with its baseline at image_32x280, D=1152, bfloat16")
+    assert elsewhere.endswith(
+        "not judged, this run has no fused row with its baseline at image_32x280, D=1152, bfloat16"
+    )
     in_float32 = report.goal_summary(targets.verdicts([row | dict(dtype="float32") for row in rows]))
     assert "not judged" in in_float32, "a float32 run does not count for the bf16 goals"
 
@@ -330,5 +369,8 @@ def test_memory_goals_count_the_bytes_requested_where_the_allocator_has_them():
     assert found["fused"].met and found["fused"].extra_bytes == scratch
     assert not found["fused_kernel"].met and found["fused_kernel"].extra_bytes == rounding + scratch
     lines = report.goal_lines(rows)
-    assert "| pool_by_positions peak beyond inputs and output < 1 MiB | image_32x280 | 1152 | fused | 396 kB requested | yes |" in lines
+    assert (
+        "| pool_by_positions peak beyond inputs and output < 1 MiB | image_32x280 | 1152 | fused | 396 kB requested | yes |"
+        in lines
+    )
     assert any("| fused_kernel | 1.05 MB allocated | **no** |" in line for line in lines)

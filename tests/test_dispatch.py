@@ -47,8 +47,13 @@ def test_environment_overrides_auto_only(monkeypatch, forced):
     assert _dispatch.resolve_backend("reference", CPU) == "reference"
     if forced == "triton":  # where Triton cannot serve, the error names the variable, not an argument never passed
         table = torch.randn(2, 16, 8)
-        with fwAD.dual_level(), pytest.raises(RuntimeError, match=r"^FUSED_VISION_BACKEND=triton: .* no forward-mode AD"):
-            fused_vision.position_embeddings(fwAD.make_dual(table, torch.randn_like(table)), torch.randint(0, 16, (1, 3, 2)))
+        with (
+            fwAD.dual_level(),
+            pytest.raises(RuntimeError, match=r"^FUSED_VISION_BACKEND=triton: .* no forward-mode AD"),
+        ):
+            fused_vision.position_embeddings(
+                fwAD.make_dual(table, torch.randn_like(table)), torch.randint(0, 16, (1, 3, 2))
+            )
         monkeypatch.setenv("TRITON_INTERPRET", "0")
         with pytest.raises(RuntimeError, match=r"^FUSED_VISION_BACKEND=triton: Triton does not drive cpu tensors"):
             _dispatch.resolve_backend("auto", CPU)

@@ -9,6 +9,10 @@ import pytest
 import torch
 from torch import nn
 
+import fused_vision.encoding as fe
+import fused_vision.planner as planner
+from fused_vision import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
+
 from conftest import assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
@@ -28,10 +32,6 @@ from gemma4_towers import (
     run_tower,
     vision_config,
 )
-
-import fused_vision.encoding as fe
-import fused_vision.planner as planner
-from fused_vision import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
 
 
 @pytest.fixture(autouse=True)
@@ -312,7 +312,6 @@ def test_encode_images_errors(planner_calls):
     assert encode_images(tower, [], []) == []
 
 
-
 TOWER_FAMILIES = {
     "embedding_gemma2": (
         "transformers.models.embedding_gemma2.modeling_embedding_gemma2",
@@ -349,7 +348,6 @@ def test_models_that_build_the_gemma4_tower(family, planner_calls):
         assert_close(got, expected, **FP32_CLOSE, what=f"{family} encode_images item {index}")
 
 
-
 def test_processor_items_of_two_budgets_through_encode_images(planner_calls):
     pixels70, ids70, tokens70 = processor_batch(SIZES, 70, seed=12)
     pixels140, ids140, tokens140 = processor_batch([(30, 90), (64, 64)], 140, seed=13)
@@ -366,5 +364,3 @@ def test_processor_items_of_two_budgets_through_encode_images(planner_calls):
     assert [g.shape[0] for g in got] == tokens
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert_close(g, e, **FP32_CLOSE, what=f"image {index}")
-
-

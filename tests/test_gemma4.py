@@ -15,6 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+import fused_vision.gemma4 as fg
+from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
+from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings
+
 from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
@@ -33,10 +37,6 @@ from gemma4_towers import (
     run_tower,
     tiny_conditional_generation,
 )
-
-import fused_vision.gemma4 as fg
-from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
-from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings
 
 EXPECT_ONEHOT_ENV = "FUSED_VISION_EXPECT_ONEHOT_ERA"  # set by CI's run on transformers 5.9
 
@@ -233,7 +233,9 @@ def test_an_embedder_without_the_lookup_method_gets_the_forward_alone(monkeypatc
 
 
 def test_vllm_plugin_is_registered_and_opt_in(monkeypatch):
-    (entry_point,) = [e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.value.startswith("fused_vision")]
+    (entry_point,) = [
+        e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.value.startswith("fused_vision")
+    ]
     plugin = entry_point.load()
     monkeypatch.delenv("FUSED_VISION_VLLM", raising=False)
     plugin()
@@ -451,5 +453,3 @@ def test_processor_ids_through_patched_tower():
     fused = run_tower(tower, pixels, ids)
     assert fused.shape[0] == sum(tokens)
     assert_close(fused, stock, **FP32_CLOSE, what="tower with every fused op")
-
-

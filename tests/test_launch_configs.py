@@ -153,7 +153,9 @@ def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
     position_embeddings_kernels.position_embeddings(table, ids, padding)
     position_embeddings_kernels.table_grad(rows, ids, padding, 4)
     pool_by_positions_kernels.pool_by_positions(rows, ids, padding, 1, 2)
-    pool_by_positions_kernels.hidden_states_grad(torch.zeros(items, 1, hidden, device=DEVICE), ids, padding, 2, torch.float16)
+    pool_by_positions_kernels.hidden_states_grad(
+        torch.zeros(items, 1, hidden, device=DEVICE), ids, padding, 2, torch.float16
+    )
     pixels = torch.zeros(items, seq_len, 12, device=DEVICE)
     weight = torch.zeros(hidden, 12, dtype=torch.float16, device=DEVICE)
     patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)

@@ -13,10 +13,11 @@ import re
 
 import pytest
 import torch
-from conftest import assert_bit_identical
 from torch import nn
 
 from fused_vision import patching
+
+from conftest import assert_bit_identical
 
 CALLER = "apply_stand_in"
 HINT = "Pass a model holding a Scale or a Bare."
@@ -62,6 +63,7 @@ def _fused(name: str):
     def method(self, x):
         stock, state = patching.stock_method(self, name), patching.fused_state(self)
         return stock(x) if state is None else stock(x) + state.offset
+
     return method
 
 

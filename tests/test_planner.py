@@ -21,12 +21,24 @@ FRAME, IMAGE = 630, 2520  # patches: 70 and 280 soft tokens, pooling kernel 3
 
 # SPEC §2 shapes, as the duck-typed config plan() accepts (a Gemma4VisionConfig works the same).
 TOWER_26B_31B = SimpleNamespace(
-    hidden_size=1152, intermediate_size=4304, num_attention_heads=16, num_key_value_heads=16, head_dim=72,
-    num_hidden_layers=27, position_embedding_size=P, patch_size=16,
+    hidden_size=1152,
+    intermediate_size=4304,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    head_dim=72,
+    num_hidden_layers=27,
+    position_embedding_size=P,
+    patch_size=16,
 )
 TOWER_E2B_E4B = SimpleNamespace(
-    hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_key_value_heads=12, head_dim=64,
-    num_hidden_layers=16, position_embedding_size=P, patch_size=16,
+    hidden_size=768,
+    intermediate_size=3072,
+    num_attention_heads=12,
+    num_key_value_heads=12,
+    head_dim=64,
+    num_hidden_layers=16,
+    position_embedding_size=P,
+    patch_size=16,
 )
 
 
@@ -164,6 +176,7 @@ def test_plan_defaults_to_the_current_accelerator(monkeypatch):
 
 def test_plan_on_a_cuda_build_without_a_gpu_plans_for_the_cpu(monkeypatch):
     """torch.accelerator names the build's accelerator unless asked whether one is available."""
+
     def cuda_build(check_available=False):
         return None if check_available else torch.device("cuda")
 
@@ -211,8 +224,15 @@ def test_plan_rejects_bad_arguments(kwargs, error, match):
 # Measured figures from SPEC §5: peak memory ("MB") of the stock 26B/31B tower per forward, random weights,
 # bf16, sdpa, on an H200.
 SPEC_MEASURED_PEAKS = {
-    (IMAGE, 1): 91, (IMAGE, 2): 182, (IMAGE, 4): 364, (IMAGE, 8): 729, (IMAGE, 16): 1455,
-    (FRAME, 4): 87, (FRAME, 16): 347, (FRAME, 32): 693, (FRAME, 64): 1384,
+    (IMAGE, 1): 91,
+    (IMAGE, 2): 182,
+    (IMAGE, 4): 364,
+    (IMAGE, 8): 729,
+    (IMAGE, 16): 1455,
+    (FRAME, 4): 87,
+    (FRAME, 16): 347,
+    (FRAME, 32): 693,
+    (FRAME, 64): 1384,
 }
 
 
@@ -319,7 +339,11 @@ def test_planner_check_runs_on_the_cpu(planner_check, tmp_path):
     assert planner_check.main(["--device", "cpu", "--tiny", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "planner_check.json").read_text())
     assert [(row["kind"], row["items"]) for row in results["rows"]] == [
-        ("image", 1), ("image", 4), ("image", 16), ("frame", 4), ("frame", 32)
+        ("image", 1),
+        ("image", 4),
+        ("image", 16),
+        ("frame", 4),
+        ("frame", 32),
     ]
     assert all(row["ok"] for row in results["rows"])
     assert (tmp_path / "planner_check.csv").read_text().startswith("kind,path,patches_per_item,items,")

@@ -32,7 +32,9 @@ def test_matches_onehot_pooler(poisoned, backend, dtype, grids, k, output_length
     pooled, mask = fused_vision.pool_by_positions(
         hidden_states, ids, padding, output_length, round_average=round_average, backend=backend
     )
-    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, output_length, round_average)
+    expected, expected_mask = reference.onehot_pool_by_positions(
+        hidden_states, ids, padding, output_length, round_average
+    )
     assert pooled.dtype == torch.float32
     assert_bit_identical(mask, expected_mask, "mask")
     tol = TOLERANCE[dtype]
@@ -191,7 +193,9 @@ def test_positions_whose_slot_arithmetic_would_wrap(monkeypatch, backend, id_dty
     for patch, position in enumerate(far_patches):
         ids[0, patch] = torch.tensor(position, dtype=id_dtype)
     if checked:
-        with pytest.raises(ValueError, match=r"position_ids: the 2x2 blocks of positions need more than output_length=4"):
+        with pytest.raises(
+            ValueError, match=r"position_ids: the 2x2 blocks of positions need more than output_length=4"
+        ):
             fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
         return
     pooled, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)

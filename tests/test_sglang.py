@@ -24,13 +24,13 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
-from gemma4_towers import float64_twin, make_inputs, randomize, vision_config
-
 import fused_vision.gemma4 as fg
 import fused_vision.sglang as fs
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+
+from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from gemma4_towers import float64_twin, make_inputs, randomize, vision_config
 
 SGLANG_INSTALLED = importlib.util.find_spec("sglang") is not None  # told before any stand-in exists
 SGLANG_DIR_ENV = "FUSED_VISION_SGLANG_MODELS"
@@ -125,7 +125,9 @@ def embedding_pooler(sgl, monkeypatch):
     put where the class patch imports it from, for this test only."""
     if SGLANG_INSTALLED:
         return importlib.import_module(fs.SGLANG_EMBEDDING_MODULE).EmbeddingGemma2VisionPooler
-    module = _load_class_alone(_sglang_file("embedding_gemma2.py"), fs.SGLANG_EMBEDDING_MODULE, "EmbeddingGemma2VisionPooler")
+    module = _load_class_alone(
+        _sglang_file("embedding_gemma2.py"), fs.SGLANG_EMBEDDING_MODULE, "EmbeddingGemma2VisionPooler"
+    )
     monkeypatch.setitem(sys.modules, fs.SGLANG_EMBEDDING_MODULE, module)
     return module.EmbeddingGemma2VisionPooler
 
@@ -313,7 +315,9 @@ def test_embedding_pooler_leaves_the_unpooled_path_and_errors_to_stock(embedding
         pooler(hidden, ids, padding, output_length=SEQ_LEN + 1)
     with pytest.raises(ValueError, match="Cannot pool"):
         pooler(hidden, ids, padding, output_length=SEQ_LEN // 2)
-    with pytest.raises(ValueError, match="contains no Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler, so"):
+    with pytest.raises(
+        ValueError, match="contains no Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler, so"
+    ):
         apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
 
 
@@ -400,8 +404,10 @@ def test_apply_errors_name_the_problem(sgl, monkeypatch):
         apply_fused_vision_to_sglang_gemma4(backend="cuda")
     with pytest.raises(TypeError, match="Module"):
         apply_fused_vision_to_sglang_gemma4("encoder")
-    wanted = {2: "Gemma4VisionPatchEmbedder or Gemma4VisionPooler",
-              3: "Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler"}[sglang_classes()]
+    wanted = {
+        2: "Gemma4VisionPatchEmbedder or Gemma4VisionPooler",
+        3: "Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler",
+    }[sglang_classes()]
     with pytest.raises(ValueError, match=f"contains no {wanted}, so .*for transformers"):
         apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
     # transformers' patch, handed SGLang's tower, points to this one

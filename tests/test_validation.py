@@ -35,11 +35,27 @@ def good():
         (lambda t, i: (t.double(), i), TypeError, r"table: expected dtype"),
         (lambda t, i: (t, i.tolist()), TypeError, r"position_ids: expected a torch.Tensor"),
         (lambda t, i: (t[:, :0], i), ValueError, r"table: expected shape \(2, P, D\) with P >= 1, got \(2, 0, 8\)"),
-        (lambda t, i: (t.to_sparse(), i), TypeError, r"table: expected a dense \(strided\) tensor, got layout torch.sparse_coo"),
+        (
+            lambda t, i: (t.to_sparse(), i),
+            TypeError,
+            r"table: expected a dense \(strided\) tensor, got layout torch.sparse_coo",
+        ),
         (lambda t, i: (t, i.to_sparse()), TypeError, r"position_ids: expected a dense \(strided\) tensor"),
     ],
-    ids=["id_too_large", "float_ids", "last_dim_not_2", "ids_rank", "table_axes",
-         "table_rank", "integer_table", "float64_table", "ids_not_tensor", "empty_table", "sparse_table", "sparse_ids"],
+    ids=[
+        "id_too_large",
+        "float_ids",
+        "last_dim_not_2",
+        "ids_rank",
+        "table_axes",
+        "table_rank",
+        "integer_table",
+        "float64_table",
+        "ids_not_tensor",
+        "empty_table",
+        "sparse_table",
+        "sparse_ids",
+    ],
 )
 def test_bad_table_or_ids(backend, change, error, pattern):
     table, ids = change(*good())
@@ -70,10 +86,18 @@ def test_negative_ids_read_row_zero_as_stock(poisoned, backend):
 @pytest.mark.parametrize(
     "kwargs,error,pattern",
     [
-        (dict(padding_positions=torch.zeros(2, 4, dtype=torch.bool)), ValueError, r"padding_positions: expected shape \(B, N\)"),
+        (
+            dict(padding_positions=torch.zeros(2, 4, dtype=torch.bool)),
+            ValueError,
+            r"padding_positions: expected shape \(B, N\)",
+        ),
         (dict(padding_positions=torch.zeros(2, 5)), TypeError, r"padding_positions: expected dtype in \(bool\)"),
         (dict(residual=torch.zeros(2, 5, 9)), ValueError, r"residual: expected shape \(B, N, D\)"),
-        (dict(residual=torch.zeros(2, 5, 8, dtype=torch.float16)), TypeError, r"residual: expected dtype in \(float32\)"),
+        (
+            dict(residual=torch.zeros(2, 5, 8, dtype=torch.float16)),
+            TypeError,
+            r"residual: expected dtype in \(float32\)",
+        ),
     ],
     ids=["padding_shape", "padding_dtype", "residual_shape", "residual_dtype"],
 )
@@ -172,9 +196,15 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
     pool_ids, pool_padding = grid_ids(2, 2, 4)[None].to(DEVICE), torch.zeros(1, 4, dtype=torch.bool, device=DEVICE)
     hidden_states, grad_pooled = torch.randn(1, 4, 8, device=DEVICE), torch.randn(1, 1, 8, device=DEVICE)
     launches = {
-        "position_embeddings": (lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, rows), [table, rows]),
+        "position_embeddings": (
+            lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, rows),
+            [table, rows],
+        ),
         "table_grad": (lambda: position_embeddings_kernels.table_grad(rows, ids, padding, 20), [rows]),
-        "patch_embed": (lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding), [pixels, weight, table]),
+        "patch_embed": (
+            lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding),
+            [pixels, weight, table],
+        ),
         "pool_by_positions": (
             lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, pool_ids, pool_padding, 1, 2),
             [hidden_states],

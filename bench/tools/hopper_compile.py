@@ -157,9 +157,17 @@ def launches():
         item_ids = torch.randint(0, POSITIONS, (1, seq_len, 2))
         item_padding = reference.default_padding_positions(item_ids)
         hidden_states = torch.randn(1, seq_len, 16)
-        call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, item_ids, item_padding, output_length, 3)  # noqa: E731
+        call = lambda: pool_by_positions_kernels.pool_by_positions(
+            hidden_states, item_ids, item_padding, output_length, 3
+        )  # noqa: E731
         (args, kwargs), _ = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
-        yield "patch_slots", f"N={seq_len}, L={output_length}", pool_by_positions_kernels._patch_slots_kernel, args, kwargs
+        yield (
+            "patch_slots",
+            f"N={seq_len}, L={output_length}",
+            pool_by_positions_kernels._patch_slots_kernel,
+            args,
+            kwargs,
+        )
     for dtype in DTYPES:
         table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
         for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
@@ -181,14 +189,28 @@ def launches():
         for variant, meta in tuned_launches(name(dtype), pool_by_positions_kernels.gpu_configs(dtype)):
             for rounded, label in averages:
                 launch = kwargs | meta | {"ROUND_AVERAGE": rounded}
-                yield "pool_by_positions", variant + label, pool_by_positions_kernels._pool_by_positions_kernel, args, launch
+                yield (
+                    "pool_by_positions",
+                    variant + label,
+                    pool_by_positions_kernels._pool_by_positions_kernel,
+                    args,
+                    launch,
+                )
 
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
         call = lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
-        _, (args, kwargs) = capture_launches(pool_by_positions_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call)
+        _, (args, kwargs) = capture_launches(
+            pool_by_positions_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call
+        )
         for rounded, label in averages:
             launch = kwargs | {"ROUND_AVERAGE": rounded}
-            yield "pool_backward", name(dtype) + label, pool_by_positions_kernels._hidden_states_grad_kernel, args, launch
+            yield (
+                "pool_backward",
+                name(dtype) + label,
+                pool_by_positions_kernels._hidden_states_grad_kernel,
+                args,
+                launch,
+            )
 
         weight = torch.randn(HIDDEN, FEATURES).to(dtype)
         # fp16 pixels take a branch of their own in the prologue (the fp16 doubling)
@@ -206,7 +228,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, help="also write hopper_compile.csv here")
     parser.add_argument(
-        "--fp-fusion", action="store_true", help="also build each kernel with fp fusion flipped and compare (twice the time)"
+        "--fp-fusion",
+        action="store_true",
+        help="also build each kernel with fp fusion flipped and compare (twice the time)",
     )
     args = parser.parse_args()
     if interpreting():
@@ -224,7 +248,10 @@ def main() -> int:
                 # results may not depend on it, so the fused multiply-adds must be the same.
                 fused = compiled.metadata.enable_fp_fusion
                 other, _ = compile_for_hopper(kernel, launch_args, launch_kwargs, fp_fusion=not fused)
-                fmas = {fused: fused_multiply_adds(compiled.asm["ptx"]), not fused: fused_multiply_adds(other.asm["ptx"])}
+                fmas = {
+                    fused: fused_multiply_adds(compiled.asm["ptx"]),
+                    not fused: fused_multiply_adds(other.asm["ptx"]),
+                }
         except Exception as exc:  # a kernel that does not compile for the GPU is this script's finding
             row["status"] = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             failed = True
@@ -244,9 +271,11 @@ def main() -> int:
                 row["status"] = "ok"
             failed |= row["status"] != "ok"
         rows.append(row)
-        print(f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
-              f"spills {row['spill_bytes']!s:>4}  {row['mma'] or '-':24} fma {row['fmas'] or '-':>9} {row['status']}",
-              flush=True)
+        print(
+            f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
+            f"spills {row['spill_bytes']!s:>4}  {row['mma'] or '-':24} fma {row['fmas'] or '-':>9} {row['status']}",
+            flush=True,
+        )
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / "hopper_compile.csv", "w", newline="") as f:

@@ -8,7 +8,7 @@ Ops: the lookup, the patch embedder, the pooler, the backward of each, the E2B/E
 vision towers, and vLLM's low-memory scenario.
 """
 
-from .runner import OPS, OP_GROUPS, PROVIDERS, Options, run
+from .runner import OP_GROUPS, OPS, PROVIDERS, Options, run
 from .workloads import Case
 
 __all__ = ["Case", "OPS", "OP_GROUPS", "Options", "PROVIDERS", "run"]

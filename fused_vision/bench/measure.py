@@ -6,8 +6,8 @@ call, with the same warm-up and repetition budgets in milliseconds.
 """
 
 import time
-from dataclasses import dataclass
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -131,6 +131,4 @@ def matmul_ceiling(device: torch.device, size: int, dtype: torch.dtype, budget: 
     a = torch.randn(size, size, device=device).to(dtype)
     b = torch.randn(size, size, device=device).to(dtype)
     times = time_call(lambda: a @ b, device, budget)
-    return Ceiling(
-        "matmul", f"{size}^3", times, bytes_moved=3 * size * size * a.element_size(), flops=2 * size**3
-    )
+    return Ceiling("matmul", f"{size}^3", times, bytes_moved=3 * size * size * a.element_size(), flops=2 * size**3)

@@ -11,8 +11,8 @@ rows its ids name. They are the floor of the op, not what any provider moves: th
 whole (2, P, D) table and writes a (B, N, 2, P) int64 one-hot on top.
 """
 
-from functools import partial
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -68,7 +68,9 @@ def patch_embed_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) ->
 def pooler_backward_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
     """(B, L, D) float32 pooled gradient, ids and padding read; the (B, N, D) hidden-state gradient written."""
     slots = case.items * case.soft_tokens
-    return slots * hidden * torch.float32.itemsize + case.patches * (hidden * dtype.itemsize + 2 * ID_BYTES + BOOL_BYTES)
+    return slots * hidden * torch.float32.itemsize + case.patches * (
+        hidden * dtype.itemsize + 2 * ID_BYTES + BOOL_BYTES
+    )
 
 
 def onehot_patch_embed(pixel_values, weight, table, position_ids, padding_positions):
@@ -285,5 +287,13 @@ class PoolByPositionsBackward(StemBench):
 
 
 STEM_OPS: dict[str, type[StemBench]] = {
-    op.name: op for op in (PositionEmbeddings, PatchEmbed, PoolByPositions, PositionEmbeddingsBackward, PatchEmbedBackward, PoolByPositionsBackward)
+    op.name: op
+    for op in (
+        PositionEmbeddings,
+        PatchEmbed,
+        PoolByPositions,
+        PositionEmbeddingsBackward,
+        PatchEmbedBackward,
+        PoolByPositionsBackward,
+    )
 }

@@ -207,9 +207,7 @@ def goal_lines(rows: list[dict]) -> list[str]:
     if not found:
         return []
     header = ["goal", "case", "D", "provider", "measured", "met"]
-    body = [
-        [v.goal, v.case, str(v.hidden), v.provider, _measured(v), "yes" if v.met else "**no**"] for v in found
-    ]
+    body = [[v.goal, v.case, str(v.hidden), v.provider, _measured(v), "yes" if v.met else "**no**"] for v in found]
     return ["### targets", "", goal_summary(found) + ".", "", *_table(header, body)]
 
 

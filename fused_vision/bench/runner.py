@@ -11,19 +11,29 @@ import platform
 import signal
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
-from collections.abc import Callable
 
 import torch
 
 import fused_vision
 
 from . import report
-from .measure import Budget, Ceiling, Peak, copy_ceiling, matmul_ceiling, peak_memory, synchronize, tensor_bytes, time_call
+from .measure import (
+    Budget,
+    Ceiling,
+    Peak,
+    copy_ceiling,
+    matmul_ceiling,
+    peak_memory,
+    synchronize,
+    tensor_bytes,
+    time_call,
+)
 from .ops import STEM_OPS, Unsupported
 from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory

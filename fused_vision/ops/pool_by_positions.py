@@ -75,7 +75,9 @@ def _triton_backward(grad_pooled, position_ids, padding_positions, output_length
 
     seq_len = position_ids.shape[1]
     if seq_len == output_length:  # no pooling: a scale and a mask, nothing for a kernel to fuse
-        return reference.pool_by_positions_backward(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype)
+        return reference.pool_by_positions_backward(
+            grad_pooled, position_ids, padding_positions, output_length, hidden_dtype
+        )
     k = reference.pooling_kernel_size(seq_len, output_length)
     return launch(grad_pooled, position_ids, padding_positions, k, hidden_dtype, round_average=round_average)
 

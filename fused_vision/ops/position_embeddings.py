@@ -24,7 +24,15 @@ def _reference(table, position_ids, padding_positions, residual):
 
 def _forward(table, position_ids, padding_positions, residual, backend):
     return dispatch(
-        "position_embeddings", backend, table.device, _triton, _reference, table, position_ids, padding_positions, residual
+        "position_embeddings",
+        backend,
+        table.device,
+        _triton,
+        _reference,
+        table,
+        position_ids,
+        padding_positions,
+        residual,
     )
 
 
