@@ -76,8 +76,8 @@ def _parser() -> argparse.ArgumentParser:
         help="benchmark fused_vision against the one-hot and its peers on this device",
         description="Benchmark fused_vision against the one-hot and its peers. Writes results.csv, "
         "low_memory.csv, results.md, time.png, memory.png (CUDA only) and log.txt to --out. Defaults: on a GPU, "
-        "everything at the checkpoints' shapes in bf16; on a CPU, the stem ops' onehot and embedding providers at small "
-        "shapes in fp32.",
+        "everything at the checkpoints' shapes in bf16; on a CPU, the stem ops' onehot and embedding providers "
+        "at small shapes in fp32.",
     )
     bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
     bench.add_argument(

@@ -75,7 +75,8 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     if requested == "triton":
         why = "triton is not installed" if not triton_importable() else f"Triton does not drive {device.type} tensors"
         raise RuntimeError(
-            f"{_named(backend)}: {why} (set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
+            f"{_named(backend)}: {why} "
+            "(set TRITON_INTERPRET=1 to run the kernels on the CPU, or use backend='reference')"
         )
     return "reference"
 

@@ -1,6 +1,6 @@
 """How many images or video frames to send through Gemma 4's vision tower in one call.
 
-vLLM chunks the tower's work with ``_encoder_chunk`` (SPEC §4): a memory budget divided by the transient
+vLLM chunks the tower's work with ``_encoder_chunk`` (gemma4_mm.py): a memory budget divided by the transient
 bytes of one item, priced as the int64 one-hot of transformers 5.5-5.9's patch embedder. Without the
 one-hot that price is ~8x the real peak: on a 22 GiB card with 3 GiB free it admits one 2520-patch image
 where the tower's own activations (~96 MiB per image) leave room for sixteen. ``plan`` keeps vLLM's budget
@@ -42,14 +42,14 @@ Cost: peak transient bytes of one item in one tower forward, without autograd
     (whose mask terms alone reach 3·N) and the norm phase.
 
 The 64 bytes per patch cover padding flags, int64 ids and pooling slots. The itemised peak matches the
-H200 peaks of SPEC §5 (read as MiB; stock 26B/31B tower, bf16, sdpa, 1-16 images, 4-64 frames) within
+H200 peaks of bench/baselines.md (read as MiB; stock 26B/31B tower, bf16, sdpa, 1-16 images, 4-64 frames) within
 0.5 % either way; the 5 % on top covers what is not itemised: the CUDA caching allocator may hand out a
 cached block up to 1 MiB larger than asked and counts all of it. For that tower the MLP phase is the peak
 up to 5040 patches, the attention phase at 10080.
 
 The one-hot lives inside the patch embedder and is freed before the first encoder layer runs, so the
 encoder's activations do not add to it: path="onehot" costs the larger of the two. vLLM's price is itself
-an upper bound (SPEC §5 measured 502 MB per 2520-patch image; it charges 788 MiB) and exceeds the
+an upper bound (the baselines measured 502 MB per 2520-patch image; it charges 788 MiB) and exceeds the
 encoder's peak for every real config with sdpa, where ``plan(path="onehot")`` equals
 ``min(num_items, encoder_chunk(...))``. Eager attention from 2520 patches up costs more than the one-hot,
 which vLLM's function does not see.
@@ -176,7 +176,8 @@ def _visible_device(device: torch.device | str | int) -> torch.device:
     available = {"cuda": torch.cuda.is_available, "xpu": torch.xpu.is_available, "mps": torch.backends.mps.is_available}
     if device.type in available and not available[device.type]():
         raise ValueError(
-            f"device: this torch sees no {device.type} device; pass free_bytes and total_bytes to plan for another machine"
+            f"device: this torch sees no {device.type} device; "
+            "pass free_bytes and total_bytes to plan for another machine"
         )
     return device
 

@@ -186,7 +186,11 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
     assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", *args]) == 130
     _, rows = read_csv(out / "results.csv")
     assert [(row["op"], row["provider"]) for row in rows] == [
-        ("copy", "torch"), ("matmul", "torch"), ("position_embeddings", "onehot"), ("position_embeddings", "embedding"), ("pool_by_positions", "onehot")
+        ("copy", "torch"),
+        ("matmul", "torch"),
+        ("position_embeddings", "onehot"),
+        ("position_embeddings", "embedding"),
+        ("pool_by_positions", "onehot"),
     ]  # fmt: skip
     assert "**Interrupted** after 3 of 5 measurements." in (out / "results.md").read_text()
     assert "interrupted: writing the reports" in (out / "log.txt").read_text()
@@ -195,9 +199,9 @@ def test_an_interrupted_run_writes_what_it_measured(tmp_path, monkeypatch, capsy
 
 
 def test_sigint_mid_run_writes_the_reports(tmp_path):
-    """What a time box does to the bench (bench/h200.sh's ``timeout``): a real SIGINT mid-run."""
+    """What a time box does to the bench (bench/gpu_run.sh's ``timeout``): a real SIGINT mid-run."""
     out = tmp_path / "bench"
-    # Time-boxed as h200.sh runs it; ``timeout`` passes on the signal it gets. The device's own cases (not
+    # Time-boxed as gpu_run.sh runs it; ``timeout`` passes on the signal it gets. The device's default cases (not
     # --tiny): 20 measurements of ~0.5 s on a CPU, so the signal lands mid-run.
     command = [*TIME_BOXED, sys.executable, "-m", "fused_vision"]
     command += ["bench", "--device", DEVICE.type, "--quick", "--hidden", "64", "--ops", "stem"]
@@ -370,7 +374,7 @@ def test_memory_goals_count_the_bytes_requested_where_the_allocator_has_them():
     assert not found["fused_kernel"].met and found["fused_kernel"].extra_bytes == rounding + scratch
     lines = report.goal_lines(rows)
     assert (
-        "| pool_by_positions peak beyond inputs and output < 1 MiB | image_32x280 | 1152 | fused | 396 kB requested | yes |"
-        in lines
+        "| pool_by_positions peak beyond inputs and output < 1 MiB "
+        "| image_32x280 | 1152 | fused | 396 kB requested | yes |" in lines
     )
     assert any("| fused_kernel | 1.05 MB allocated | **no** |" in line for line in lines)

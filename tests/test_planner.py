@@ -19,7 +19,7 @@ GiB, MiB = 2**30, 2**20
 P = 10240
 FRAME, IMAGE = 630, 2520  # patches: 70 and 280 soft tokens, pooling kernel 3
 
-# SPEC §2 shapes, as the duck-typed config plan() accepts (a Gemma4VisionConfig works the same).
+# The released checkpoints' shapes, as the duck-typed config plan() accepts (a Gemma4VisionConfig works the same).
 TOWER_26B_31B = SimpleNamespace(
     hidden_size=1152,
     intermediate_size=4304,
@@ -43,7 +43,7 @@ TOWER_E2B_E4B = SimpleNamespace(
 
 
 def vllm_encoder_chunk(patches_per_item, free_bytes, total_bytes, position_embedding_size):
-    """SPEC §4, restated line by line."""
+    """vLLM's ``_encoder_chunk`` (gemma4_mm.py), restated line by line."""
     if patches_per_item <= 0:
         return 1
     budget = min(free_bytes // 2, total_bytes // 10)
@@ -221,9 +221,9 @@ def test_plan_rejects_bad_arguments(kwargs, error, match):
 
 # ---- the transient model ----------------------------------------------------------------------------
 
-# Measured figures from SPEC §5: peak memory ("MB") of the stock 26B/31B tower per forward, random weights,
+# Measured baselines (bench/baselines.md): peak memory ("MB") of the stock 26B/31B tower per forward, random weights,
 # bf16, sdpa, on an H200.
-SPEC_MEASURED_PEAKS = {
+BASELINE_PEAKS = {
     (IMAGE, 1): 91,
     (IMAGE, 2): 182,
     (IMAGE, 4): 364,
@@ -236,11 +236,11 @@ SPEC_MEASURED_PEAKS = {
 }
 
 
-@pytest.mark.parametrize("patches, items", sorted(SPEC_MEASURED_PEAKS))
-def test_model_bounds_the_spec_h200_peaks(patches, items):
-    # SPEC §5 writes MB; torch counts bytes and the figures are most likely MiB. Check each side
+@pytest.mark.parametrize("patches, items", sorted(BASELINE_PEAKS))
+def test_model_bounds_the_baseline_h200_peaks(patches, items):
+    # The baselines write MB; torch counts bytes and the figures are most likely MiB. Check each side
     # against the reading that is harder to pass: above the MiB figure, within 25 % of the MB one.
-    measured = SPEC_MEASURED_PEAKS[patches, items]
+    measured = BASELINE_PEAKS[patches, items]
     predicted = items * transient_bytes_per_item(patches, TOWER_26B_31B, dtype=torch.bfloat16)
     assert measured * MiB <= predicted <= 1.25 * measured * 1e6
 

@@ -127,7 +127,7 @@ def test_unknown_backend():
 def test_id_checks_skip_where_a_cuda_sync_is_unwanted(monkeypatch, capturing, sync_debug_mode, checked):
     """The id checks synchronise the device: not while a CUDA graph is captured, nor while torch's sync
     debug mode is armed (as vLLM's VLLM_GPU_SYNC_CHECK arms it); the kernels' NaN rows stand in there.
-    bench/gpu_checks.py runs the ops under the real mode on a GPU."""
+    tests/gpu/test_no_sync.py runs the ops under the real mode on a GPU."""
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing)
     monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: sync_debug_mode)
     assert id_checks_enabled(types.SimpleNamespace(is_cuda=True)) is checked  # the decision reads the device only

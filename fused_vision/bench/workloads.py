@@ -53,7 +53,8 @@ def cases(*names: str) -> tuple[Case, ...]:
     return tuple(Case.parse(name) for name in names)
 
 
-# The baselines' workloads (bench/baselines.md): 20,160 patches (video 32x70, image 8x280) and 80,640 (image 32x280, 8x1120).
+# The baselines' workloads (bench/baselines.md): 20,160 patches (video 32x70, image 8x280) and 80,640
+# (image 32x280, 8x1120).
 GPU_CASES = cases("video_32x70", "image_8x280", "image_32x280", "image_8x1120")
 # The towers at the two 20,160-patch cases only: a tower call costs ~100x a stem op.
 GPU_TOWER_CASES = GPU_CASES[:2]
