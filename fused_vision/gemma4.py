@@ -162,29 +162,49 @@ def _lookup_table(embedder: nn.Module, fused: FusedOp) -> torch.Tensor:
     return table
 
 
+def broadcast_rows(features, position_ids, padding_positions):
+    """(B, N, ·) features, (B, N, 2) ids and (B, N) padding (None passes through) expanded to one batch, as
+    stock's arithmetic broadcasts a batch of one (an engine may pair (1, N, 2) ids with (B, N, K) pixels);
+    or None where they are not such rows of one N: stock then runs, and broadcasts or raises as it does."""
+    present = [(t, ndim) for t, ndim in ((features, 3), (position_ids, 3), (padding_positions, 2)) if t is not None]
+    if any(not isinstance(t, torch.Tensor) or t.dim() != ndim for t, ndim in present):
+        return None
+    if len({t.shape[1] for t, _ in present}) != 1:
+        return None
+    batches = {t.shape[0] for t, _ in present} - {1}
+    if len(batches) > 1:
+        return None
+    batch = batches.pop() if batches else 1
+    return tuple(
+        t if t is None or t.shape[0] == batch else t.expand(batch, *t.shape[1:])
+        for t in (features, position_ids, padding_positions)
+    )
+
+
 def _embedder_position_embeddings(self, pixel_position_ids, padding_positions, *args, **kwargs):
     """``Gemma4VisionPatchEmbedder._position_embeddings`` as ``fused_vision.position_embeddings``, bit-identical.
 
     Our forward never calls it; vLLM 0.34+ does: its ``_embed_patches`` inlines the embedder's forward
     around its own ``input_proj`` and asks the module for the lookup alone.
     """
-    if args or kwargs or _lookup_runs_stock(self, pixel_position_ids):
+    rows = None if args or kwargs else broadcast_rows(None, pixel_position_ids, padding_positions)
+    if rows is None or _lookup_runs_stock(self, pixel_position_ids):
         return patching.stock_method(self, "_position_embeddings")(
             pixel_position_ids, padding_positions, *args, **kwargs
         )
     fused = patching.fused_state(self)
-    return _fused_position_embeddings(
-        _lookup_table(self, fused), pixel_position_ids, padding_positions, backend=fused.backend
-    )
+    return _fused_position_embeddings(_lookup_table(self, fused), *rows[1:], backend=fused.backend)
 
 
 def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=None, *args, **kwargs):
     """``Gemma4VisionPatchEmbedder.forward`` with the fused patch embedder, or the fused lookup alone."""
     # args, kwargs: arguments of a newer stock signature; let stock handle them
-    if args or kwargs or embedder_runs_stock(self, pixel_values, pixel_position_ids):
+    rows = None if args or kwargs else broadcast_rows(pixel_values, pixel_position_ids, padding_positions)
+    if rows is None or embedder_runs_stock(self, pixel_values, pixel_position_ids):
         return patching.stock_method(self, "forward")(
             pixel_values, pixel_position_ids, padding_positions, *args, **kwargs
         )
+    pixel_values, pixel_position_ids, padding_positions = rows
 
     fused, table, weight = patching.fused_state(self), self.position_embedding_table, self.input_proj.weight
     if (
@@ -234,13 +254,22 @@ def pooler_runs_fused(pooler: nn.Module, hidden_states, pixel_position_ids, padd
 def _pooler_forward(self, hidden_states, pixel_position_ids, padding_positions, output_length=None, *args, **kwargs):
     """``Gemma4VisionPooler.forward`` through ``fused_vision.pool_by_positions``, in the release's dtype."""
     inputs = (hidden_states, pixel_position_ids, padding_positions, output_length)
-    if args or kwargs or not pooler_runs_fused(self, *inputs):
+    rows = None if args or kwargs else broadcast_rows(hidden_states, pixel_position_ids, padding_positions)
+    if rows is None or not pooler_runs_fused(self, *inputs):
         return patching.stock_method(self, "forward")(*inputs, *args, **kwargs)
     fused = patching.fused_state(self)
-    pooled, mask = _fused_pool_by_positions(*inputs, backend=fused.backend)
+    pooled, mask = _fused_pool_by_positions(*rows, output_length, backend=fused.backend)
     if not fused.pooler_float32:
         pooled = pooled.to(hidden_states.dtype)  # 5.5-5.9 scale in the hidden dtype: the same rounding
-    return pooled, mask
+    return pooled, stock_pooler_mask(mask, pixel_position_ids, padding_positions, output_length)
+
+
+def stock_pooler_mask(mask, pixel_position_ids, padding_positions, output_length):
+    """The mask as stock returns it from broadcast inputs: the padding itself where nothing is pooled
+    (N == L), else one row per item of the ids, which alone set the slots."""
+    if padding_positions.shape[1] == output_length:
+        return padding_positions
+    return mask[: pixel_position_ids.shape[0]]
 
 
 # ---- patching and reverting ---------------------------------------------------------------------

@@ -66,16 +66,14 @@ def _embedding_pooler_classes() -> list[type]:
     return [pooler] if isinstance(pooler, type) else []
 
 
-def _pools_fused(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) -> bool:
-    """Whether an SGLang pooler hands ``inputs`` to ``pool_by_positions``: not where stock skips the pooling
-    (N == L: a scale, nothing to fuse; EmbeddingGemma2's mask is then ``~padding_positions``)."""
+def _fused_rows(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) -> tuple | None:
+    """The rows an SGLang pooler hands to ``pool_by_positions``, broadcast as stock broadcasts them; None
+    where stock runs: inputs the op does not take, and where stock skips the pooling (N == L: a scale,
+    nothing to fuse; EmbeddingGemma2's mask is then ``~padding_positions``)."""
     hidden_states, _, _, output_length = inputs
-    return (
-        not args
-        and not kwargs
-        and gemma4.pooler_runs_fused(pooler, *inputs)
-        and output_length != hidden_states.shape[1]
-    )
+    if args or kwargs or not gemma4.pooler_runs_fused(pooler, *inputs) or output_length == hidden_states.shape[1]:
+        return None
+    return gemma4.broadcast_rows(*inputs[:3])
 
 
 def _pooler_forward(self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs):
@@ -89,13 +87,15 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)
-    if not isinstance(mask_first, bool) or not _pools_fused(self, inputs, args, kwargs):
+    rows = _fused_rows(self, inputs, args, kwargs)
+    if not isinstance(mask_first, bool) or rows is None:
         return patching.stock_method(self, "forward")(*inputs, *args, **kwargs)
-    padding = padding_positions if mask_first else torch.zeros_like(padding_positions)
+    hidden, ids, padding = rows
+    padding = padding if mask_first else torch.zeros_like(padding)
     pooled, mask = _fused_pool_by_positions(
-        hidden_states, patch_positions, padding, output_length, backend=patching.fused_state(self).backend
+        hidden, ids, padding, output_length, backend=patching.fused_state(self).backend
     )
-    return pooled.to(hidden_states.dtype), mask
+    return pooled.to(hidden_states.dtype), mask[: patch_positions.shape[0]]  # stock's mask: a row per item of ids
 
 
 def _embedding_pooler_forward(
@@ -107,11 +107,12 @@ def _embedding_pooler_forward(
     (``round_average=False``), cast once to the hidden dtype; equal to stock up to fp32 summation order.
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
-    if not _pools_fused(self, inputs, args, kwargs):
+    rows = _fused_rows(self, inputs, args, kwargs)
+    if rows is None:
         return patching.stock_method(self, "forward")(*inputs, *args, **kwargs)
     backend = patching.fused_state(self).backend
-    pooled, mask = _fused_pool_by_positions(*inputs, round_average=False, backend=backend)
-    return pooled.to(hidden_states.dtype), mask
+    pooled, mask = _fused_pool_by_positions(*rows, output_length, round_average=False, backend=backend)
+    return pooled.to(hidden_states.dtype), mask[: patch_positions.shape[0]]
 
 
 def apply_fused_vision_to_sglang_gemma4(
