@@ -7,7 +7,7 @@ its K block. cuBLAS may split K into s chains for a small output and add their r
 accurate than one chain. The fused embedder's fp32 path sums each K block's chain in fp64
 (kernels/patch_embed.py). For each order this prints the relative error (2-norm) against float64 and its
 ratio to s-way split chains, each the mean over seeds. The default shapes are those of the test that holds
-fp32 accuracy to 1.5x stock's (tests/test_patch_embed.py, K768_D72). An fma is emulated as the float64 sum
+fp32 accuracy to 1.5x stock's (tests/ops/test_patch_embed.py, K768_D72). An fma is emulated as the float64 sum
 of the exact product and the fp32 accumulator, rounded to fp32: exact but for rare double roundings.
 """
 

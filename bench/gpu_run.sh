@@ -43,8 +43,8 @@ python="${PYTHON:-python3}"
 dry=${GPU_RUN_DRY:-0}
 # Fastest to compile first, so the box cuts the slowest: a lookup kernel builds in under a second, each
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
-kernel_tests=(tests/test_validation.py tests/test_position_embeddings.py tests/test_pool_by_positions.py
-  tests/test_patch_embed.py)
+kernel_tests=(tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
+  tests/ops/test_patch_embed.py)
 if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
   bench_args=(--tiny --quick --ops position_embeddings --providers onehot,fused)
