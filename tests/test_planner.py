@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fused_vision import planner
+from fused_vision import _memory
 from fused_vision.planner import device_memory, encoder_chunk, plan, transient_bytes_per_item
 
 GiB, MiB = 2**30, 2**20
@@ -383,7 +383,7 @@ def test_cpu_memory_is_the_hosts():
     assert 0 < free <= total
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        assert total == physical if planner._cgroup_limit() is None else total <= physical
+        assert total == physical if _memory._cgroup_limit() is None else total <= physical
 
 
 @pytest.mark.parametrize(
@@ -398,11 +398,11 @@ def test_cpu_memory_is_the_hosts():
 )
 def test_cpu_memory_within_a_containers_cgroup_limit(monkeypatch, tmp_path, files, limited):
     """A 2 GiB container on a 64 GiB host: its limit, less what it uses, not the host's free RAM."""
-    monkeypatch.setattr(planner, "_machine_memory", lambda: (48 * GiB, 64 * GiB))  # fixed: RAM use drifts
+    monkeypatch.setattr(_memory, "_machine_memory", lambda: (48 * GiB, 64 * GiB))  # fixed: RAM use drifts
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    monkeypatch.setattr(planner, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
     assert device_memory("cpu") == ((1536 * MiB, 2 * GiB) if limited else (48 * GiB, 64 * GiB))
 
 
@@ -413,7 +413,7 @@ def test_cpu_memory_without_proc_meminfo(monkeypatch):
     def no_meminfo(*args, **kwargs):
         raise FileNotFoundError("/proc/meminfo")
 
-    monkeypatch.setattr(planner, "open", no_meminfo, raising=False)
+    monkeypatch.setattr(_memory, "open", no_meminfo, raising=False)
     free, total = device_memory(torch.device("cpu"))
     assert 0 < free <= total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
