@@ -54,6 +54,14 @@ encoder's peak for every real config with sdpa, where ``plan(path="onehot")`` eq
 ``min(num_items, encoder_chunk(...))``. Eager attention from 2520 patches up costs more than the one-hot,
 which vLLM's function does not see.
 
+The packed encoder (fused_vision.packed: no padding, no mask, attention per item), per REAL patch:
+    the phases above with m = 0 and scores = 2·b·Q + 4·H (each item's output and their concatenation,
+    log-sum-exp); where the kernel materialises scores (eager-priced: MPS), one item's at a time, a fixed
+    S = H·L²·(b + 8) (b + 4 in float32) for the longest item's L real patches.
+    transient_bytes_per_item(L, encoder="packed") = (L·(max(phases) + 64) + S)·21/20
+    plan_tokens = max(1, (budget - S·21/20) // (c + extra)),   c = (max(phases) + 64)·21/20
+                                               (at least 32·P with path="onehot")
+
 Covered: transformers' stock Gemma 4 vision tower (F.embedding era) and fused_vision's lookup, which writes
 less; ``attn_implementation`` "sdpa" (transformers' default; priced as the fused kernels of CUDA and the
 CPU, which hold no (N, N) scores; ``plan`` prices MPS's, which does, as eager) or "eager"; inference only.
