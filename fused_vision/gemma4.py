@@ -356,18 +356,12 @@ def apply_fused_vision_to_gemma4(
     release = dict(onehot_lookup=onehot_lookup(), pooler_float32=pooler_returns_float32())
     if encoder not in ENCODERS:
         raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
-    state = FusedOp("packed_encoder", backend, **release)
-    encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state) if encoder == "packed" else None
-    targets = tower_targets(
-        caller,
-        modeling.Gemma4VisionPatchEmbedder,
-        poolers,
-        release,
-        embedder=embedder,
-        pooler=pooler,
-        backend=backend,
-        encoder=encoder_target,
-    )
+    encoder_target = None
+    if encoder == "packed":
+        state = FusedOp("packed_encoder", backend, **release)
+        encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state)
+    embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
+    targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=encoder_target)
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
         "have no vision tower), or call it with model=None before the model is built."
