@@ -19,7 +19,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import gemma4
+from . import gemma4, packed
+from .attention import configured_attention, warn_once
 
 __all__ = ["encode_images"]
 
@@ -118,13 +119,6 @@ def _plan_chunk(
     """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
     from . import planner
 
-    options = {}
-    attention = getattr(tower.config, "_attn_implementation", None)
-    if isinstance(attention, str):
-        # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
-        # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
-        attention = attention.removeprefix("paged|")
-        options["attn_implementation"] = attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"
     return planner.plan(
         num_items,
         patches_per_item,
@@ -133,8 +127,20 @@ def _plan_chunk(
         device=device,
         dtype=dtype,
         extra_bytes_per_item=input_bytes_per_item,
-        **options,
+        **_planner_attention(tower),
     )
+
+
+def _planner_attention(tower: nn.Module) -> dict:
+    """The planner's ``attn_implementation`` for the tower's: it prices sdpa and eager. transformers' paged
+    variants compute as their base kernels do (paged eager holds eager's (N, N) scores); the flash-style
+    kernels hold none: priced as sdpa."""
+    from . import planner
+
+    attention = configured_attention(tower.config)
+    if attention is None:
+        return {}
+    return {"attn_implementation": attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"}
 
 
 def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -146,20 +152,10 @@ def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: to
     hidden_states = tower.encoder(
         inputs_embeds=inputs_embeds, attention_mask=~padding, pixel_position_ids=position_ids
     ).last_hidden_state
-    pooled, mask = tower.pooler(
-        hidden_states=hidden_states,
-        pixel_position_ids=position_ids,
-        padding_positions=padding,
-        output_length=output_length,
+    tokens, counts = packed.soft_tokens(
+        tower, hidden_states, position_ids, padding, output_length, inputs_embeds.dtype, gemma4.pooler_returns_float32()
     )
-    tokens = pooled[mask]
-    if gemma4.pooler_returns_float32():  # 5.10+: standardize in float32, then back to the working dtype
-        if tower.config.standardize:
-            tokens = (tokens - tower.std_bias.float()) * tower.std_scale.float()
-        tokens = tokens.to(inputs_embeds.dtype)
-    elif tower.config.standardize:  # 5.5-5.9: in the pooled dtype
-        tokens = (tokens - tower.std_bias) * tower.std_scale
-    return list(torch.split(tokens, mask.sum(dim=1).tolist()))
+    return list(torch.split(tokens, counts))
 
 
 def encode_images(
@@ -168,13 +164,18 @@ def encode_images(
     pixel_position_ids: torch.Tensor | Sequence[torch.Tensor],
     *,
     max_batch: int | None = None,
+    packed: bool = True,
 ) -> list[torch.Tensor]:
     """Encode many images (or video frames) in memory-safe batches, as vLLM does; one tensor per item.
 
-    Items are bucketed by patch count; each bucket runs in chunks of ``fused_vision.planner.plan(...)``
-    items (at most ``max_batch``) through the tower's own patch embedder, encoder and pooler, so a
-    patched and a stock tower both work. Each item's pooled tokens are stripped of padding and
-    standardized as the release's ``Gemma4VisionModel.forward`` does.
+    ``packed=True``: items of any patch counts share a call of the packed encoder (``fused_vision.packed``:
+    their padding dropped, attention per item), each call filled in input order up to
+    ``fused_vision.planner.plan_tokens(...)`` real patches (and ``max_batch`` items). Where the tower's
+    attention implementation is one it does not replace, the padded path runs, with one warning.
+    ``packed=False``: items are bucketed by patch count; each bucket runs in chunks of
+    ``fused_vision.planner.plan(...)`` items (at most ``max_batch``) through the tower's own patch embedder,
+    encoder and pooler. A patched and a stock tower both work. Each item's pooled tokens are stripped of
+    padding and standardized as the release's ``Gemma4VisionModel.forward`` does.
 
     Args:
         vision_tower: a ``Gemma4VisionModel``, or a model that contains one (``Gemma4Model``,
@@ -183,10 +184,16 @@ def encode_images(
         pixel_position_ids: (B, N, 2) int32 or int64 (int64 where a 5.5-5.9 tower runs its stock one-hot),
             or a list of (N_i, 2) / (1, N_i, 2); (-1, -1) marks padding.
         max_batch: cap on the items per encoder call.
+        packed: the packed encoder (default) or stock's padded one.
 
     A chunk that runs out of memory (``torch.OutOfMemoryError``) is retried at half its size, down to one
-    item, whose error reaches the caller; the bucket's later chunks keep the smaller size, and one
-    ``RuntimeWarning`` per bucket names the sizes. No item is lost or reordered.
+    item, whose error reaches the caller; the bucket's (packed: the call's) later chunks keep the smaller
+    size, and one ``RuntimeWarning`` per bucket names the sizes. No item is lost or reordered.
+
+    Raises:
+        ValueError, TypeError: inputs the tower cannot take, naming the argument; on the packed path also an
+            item with no real patch, real ids outside the position table or a patch count that is not a
+            multiple of the pooling kernel's area.
 
     Returns:
         A list of (T_i, D) soft tokens in the input order, equal (within floating-point tolerance) to
@@ -194,7 +201,7 @@ def encode_images(
         it runs without autograd, whose saved activations the planner's chunks do not budget for.
     """
     with torch.no_grad():
-        return _encode_images(_resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch)
+        return _encode_images(_resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch, packed)
 
 
 def _max_batch(value) -> int | None:
@@ -210,11 +217,19 @@ def _max_batch(value) -> int | None:
     return count
 
 
-def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[torch.Tensor]:
+def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_encoder) -> list[torch.Tensor]:
     max_batch = _max_batch(max_batch)
     pixels, ids, stacked = _items(pixel_values, pixel_position_ids)
     table = tower.patch_embedder.position_embedding_table
     device, dtype = table.device, table.dtype
+    if packed_encoder and not packed.attention_supported(tower.config):
+        warn_once(
+            f"encode_images: the packed encoder does not replace {tower.config._attn_implementation!r} "
+            "attention; the padded path runs",
+            stacklevel=4,
+        )
+    elif packed_encoder:
+        return _encode_packed(tower, pixels, ids, max_batch, device, dtype)
 
     buckets: dict[int, list[int]] = {}
     for index, item in enumerate(pixels):
@@ -226,13 +241,7 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
     for patches, indices in buckets.items():
         first = indices[0]
         input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
-        path = planner_path(tower, [(pixels[i], ids[i]) for i in indices])
-        not_int64 = [i for i in indices if ids[i].dtype != torch.int64] if path == "onehot" else []
-        if not_int64:
-            raise TypeError(
-                f"pixel_position_ids: item {not_int64[0]}: the tower runs transformers 5.5-5.9's stock one-hot "
-                "lookup, which takes int64 ids only"
-            )
+        path = _checked_path(tower, pixels, ids, indices)
         chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
         shrunk: list[int] = []  # the chunk sizes that ran out of memory
         if max_batch is not None:
@@ -258,6 +267,94 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
                 RuntimeWarning,
                 stacklevel=3,
             )
+    return outputs  # type: ignore[return-value]
+
+
+def _checked_path(tower, pixels, ids, indices) -> str:
+    """``planner_path`` for the items ``indices``, whose ids must be int64 where it is the stock one-hot."""
+    path = planner_path(tower, [(pixels[i], ids[i]) for i in indices])
+    not_int64 = [i for i in indices if ids[i].dtype != torch.int64] if path == "onehot" else []
+    if not_int64:
+        raise TypeError(
+            f"pixel_position_ids: item {not_int64[0]}: the tower runs transformers 5.5-5.9's stock one-hot "
+            "lookup, which takes int64 ids only"
+        )
+    return path
+
+
+def _real_patches(tower, pixels, ids) -> list[int]:
+    """Each item's real patches (ids other than (-1, -1)), checked as the packed encoder needs them."""
+    kernel_area = tower.config.pooling_kernel_size**2
+    table_rows = tower.config.position_embedding_size
+    counts = []
+    for index, (item_pixels, item_ids) in enumerate(zip(pixels, ids)):
+        if item_pixels.shape[0] % kernel_area:
+            raise ValueError(
+                f"pixel_values: item {index}: {item_pixels.shape[0]} patches, not a multiple of the pooling "
+                f"kernel's {kernel_area}"
+            )
+        real = item_ids[~(item_ids == -1).all(dim=-1)]
+        if real.shape[0] == 0:
+            raise ValueError(f"pixel_position_ids: item {index}: no real patch (every id is (-1, -1))")
+        if bool(((real < 0) | (real >= table_rows)).any()):
+            raise ValueError(
+                f"pixel_position_ids: item {index}: real patch ids outside the position table's [0, {table_rows})"
+            )
+        counts.append(real.shape[0])
+    return counts
+
+
+def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.Tensor]:
+    """Packed calls filled in input order up to the planner's token budget; halved on out-of-memory."""
+    from . import planner
+
+    if not pixels:
+        return []
+    real = _real_patches(tower, pixels, ids)
+    path = _checked_path(tower, pixels, ids, range(len(pixels)))
+    # Each call copies its items' real rows (concatenated, and moved to the device).
+    input_bytes = pixels[0][0].nbytes + ids[0][0].nbytes
+    budget = planner.plan_tokens(
+        max(real),
+        tower.config,
+        path=path,
+        device=device,
+        dtype=dtype,
+        extra_bytes_per_patch=input_bytes,
+        **_planner_attention(tower),
+    )
+    cap = len(pixels) if max_batch is None else max_batch
+    outputs: list[torch.Tensor | None] = [None] * len(pixels)
+    shrunk: list[int] = []
+    pooler_float32 = gemma4.pooler_returns_float32()
+    start = 0
+    while start < len(pixels):
+        end, tokens = start + 1, real[start]
+        while end < len(pixels) and end - start < cap and tokens + real[end] <= budget:
+            tokens += real[end]
+            end += 1
+        try:
+            encoded = packed.encode(
+                tower, [p.to(device) for p in pixels[start:end]], [i.to(device) for i in ids[start:end]], pooler_float32
+            )
+        except torch.OutOfMemoryError:
+            if end - start == 1:
+                raise
+            encoded = None
+        if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
+            shrunk.append(end - start)
+            cap = (end - start) // 2
+            _empty_cache(device)
+            continue
+        outputs[start:end] = encoded
+        start = end
+    if shrunk:
+        warnings.warn(
+            f"encode_images: out of memory at {' -> '.join(map(str, shrunk))} items per packed call; went on with "
+            f"{cap}",
+            RuntimeWarning,
+            stacklevel=3,
+        )
     return outputs  # type: ignore[return-value]
 
 

@@ -28,26 +28,28 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import patching
+from . import packed, patching
 from ._dispatch import BACKENDS
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES
 from .ops.patch_embed import patch_embed as _fused_patch_embed
 from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 from .ops.position_embeddings import position_embeddings as _fused_position_embeddings
 
-__all__ = ["EMBEDDER_OPS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "vllm_plugin"]
+__all__ = ["EMBEDDER_OPS", "ENCODERS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "vllm_plugin"]
 
 logger = logging.getLogger("fused_vision")
 
 # What ``embedder=`` takes: the whole embedder in one kernel, or the lookup alone inside the stock one.
 EMBEDDER_OPS = ("patch_embed", "position_embeddings")
+# What ``encoder=`` takes: stock's padded encoder, or the packed one (``fused_vision.packed``).
+ENCODERS = ("stock", "packed")
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedOp:
     """The state a patched module runs with: its op and backend, and its release family."""
 
-    op: str  # "patch_embed", "position_embeddings" or "pool_by_positions"
+    op: str  # "patch_embed", "position_embeddings", "pool_by_positions" or "packed_encoder"
     backend: str
     # The release family, told once at patch time so that forwards (and torch.compile) see constants.
     onehot_lookup: bool = dataclasses.field(default=False, compare=False)
@@ -284,16 +286,18 @@ def tower_targets(
     embedder: str | None,
     pooler: bool,
     backend: str,
+    encoder: patching.Target | None = None,
 ) -> list[patching.Target]:
     """What an ``apply_…`` call patches: a tower's embedder class (its forward and its lookup) with the op
-    ``embedder`` names, and its pooler classes (``poolers``: (class, forward) pairs) when ``pooler``."""
+    ``embedder`` names, its pooler classes (``poolers``: (class, forward) pairs) when ``pooler``, and the
+    ``encoder`` target when given."""
     if backend not in BACKENDS:
         raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
     if embedder is not None and embedder not in EMBEDDER_OPS:
         raise ValueError(f"embedder: expected one of {EMBEDDER_OPS} or None, got {embedder!r}")
-    if embedder is None and not pooler:
+    if embedder is None and not pooler and encoder is None:
         raise ValueError(f"{caller}: nothing selected (embedder=None and pooler=False)")
-    targets = []
+    targets = [] if encoder is None else [encoder]
     if embedder is not None:
         methods = {"forward": _embedder_forward, "_position_embeddings": _embedder_position_embeddings}
         targets.append(patching.Target(embedder_cls, methods, FusedOp(embedder, backend, **release)))
@@ -309,6 +313,7 @@ def apply_fused_vision_to_gemma4(
     embedder: str | None = "patch_embed",
     pooler: bool = True,
     backend: str = "auto",
+    encoder: str = "stock",
 ) -> int:
     """Put fused_vision's ops into transformers' Gemma 4 vision tower.
 
@@ -329,6 +334,9 @@ def apply_fused_vision_to_gemma4(
             vLLM 0.34+ runs its own projection and calls that method alone.
         pooler: the pooler as ``fused_vision.pool_by_positions``.
         backend: "auto", "triton" or "reference", for every patched op.
+        encoder: "stock" leaves ``Gemma4VisionModel.forward`` stock; "packed" makes it strip the padding and
+            run the packed encoder (``fused_vision.packed``), with stock's outputs; it needs sdpa, eager or
+            flash attention configured.
 
     Returns:
         The number of modules (with ``model``) or classes (without) this call set to a fused op. Calling
@@ -336,8 +344,9 @@ def apply_fused_vision_to_gemma4(
         arguments reconfigures the selected modules and leaves the unselected ones as they were.
 
     Raises:
-        ValueError: nothing selected, an unknown ``embedder`` or backend, or ``model`` holds no module to
-            patch (e.g. ``gemma4_unified`` checkpoints, which have no vision tower).
+        ValueError: nothing selected, an unknown ``embedder``, ``encoder`` or backend, an ``encoder="packed"``
+            tower configured with another attention implementation, or ``model`` holds no module to patch
+            (e.g. ``gemma4_unified`` checkpoints, which have no vision tower).
         TypeError: ``model`` is neither None nor an ``nn.Module``.
         ImportError: transformers or its Gemma 4 is missing.
     """
@@ -345,9 +354,14 @@ def apply_fused_vision_to_gemma4(
     modeling = _modeling()
     poolers = [(modeling.Gemma4VisionPooler, _pooler_forward)]
     release = dict(onehot_lookup=onehot_lookup(), pooler_float32=pooler_returns_float32())
-    targets = tower_targets(
-        caller, modeling.Gemma4VisionPatchEmbedder, poolers, release, embedder=embedder, pooler=pooler, backend=backend
-    )
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
+    encoder_target = None
+    if encoder == "packed":
+        state = FusedOp("packed_encoder", backend, **release)
+        encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state)
+    embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
+    targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=encoder_target)
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
         "have no vision tower), or call it with model=None before the model is built."

@@ -54,6 +54,14 @@ encoder's peak for every real config with sdpa, where ``plan(path="onehot")`` eq
 ``min(num_items, encoder_chunk(...))``. Eager attention from 2520 patches up costs more than the one-hot,
 which vLLM's function does not see.
 
+The packed encoder (fused_vision.packed: no padding, no mask, attention per item), per REAL patch:
+    the phases above with m = 0 and scores = 2·b·Q + 4·H (each item's output and their concatenation,
+    log-sum-exp); where the kernel materialises scores (eager-priced: MPS), one item's at a time, a fixed
+    S = H·L²·(b + 8) (b + 4 in float32) for the longest item's L real patches.
+    transient_bytes_per_item(L, encoder="packed") = (L·(max(phases) + 64) + S)·21/20
+    plan_tokens = max(1, (budget - S·21/20) // (c + extra)),   c = (max(phases) + 64)·21/20
+                                               (at least 32·P with path="onehot")
+
 Covered: transformers' stock Gemma 4 vision tower (F.embedding era) and fused_vision's lookup, which writes
 less; ``attn_implementation`` "sdpa" (transformers' default; priced as the fused kernels of CUDA and the
 CPU, which hold no (N, N) scores; ``plan`` prices MPS's, which does, as eager) or "eager"; inference only.
@@ -62,14 +70,25 @@ CPU, which hold no (N, N) scores; ``plan`` prices MPS's, which does, as eager) o
 from __future__ import annotations
 
 import operator
-import os
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["encoder_chunk", "device_memory", "transient_bytes_per_item", "plan", "PATHS", "ATTENTION_IMPLEMENTATIONS"]
+from ._memory import current_device, device_memory, visible_device
+
+__all__ = [
+    "encoder_chunk",
+    "device_memory",
+    "transient_bytes_per_item",
+    "plan",
+    "plan_tokens",
+    "PATHS",
+    "ENCODERS",
+    "ATTENTION_IMPLEMENTATIONS",
+]
 
 PATHS = ("fused", "onehot")
+ENCODERS = ("stock", "packed")  # stock's padded encoder, or fused_vision.packed
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 _BOOKKEEPING_BYTES = 64  # per patch: padding flags, int64 position ids and pooling slots
@@ -118,22 +137,77 @@ def plan(
     """
     items = _positive_int("num_items", num_items)
     extra = _integer("extra_bytes_per_item", extra_bytes_per_item, 0)
+    _check_memory_arguments(device, free_bytes, total_bytes)
+    device = _planned_device(device, free_bytes)
+    attn_implementation = _priced_attention(vision_config, attn_implementation, device)
+    cost = extra + transient_bytes_per_item(
+        patches_per_item, vision_config, path=path, dtype=dtype, attn_implementation=attn_implementation
+    )
+    return max(1, min(items, _planned_budget(device, free_bytes, total_bytes) // cost))
+
+
+def plan_tokens(
+    longest_item: int,
+    vision_config,
+    *,
+    path: str = "fused",
+    device: torch.device | str | None = None,
+    free_bytes: int | None = None,
+    total_bytes: int | None = None,
+    dtype: torch.dtype = torch.bfloat16,
+    attn_implementation: str | None = None,
+    extra_bytes_per_patch: int = 0,
+) -> int:
+    """Real patches per call of the packed encoder: ``max(1, (budget - S) // c)``.
+
+    ``c`` is the packed encoder's bytes per real patch with headroom (the larger of it and the one-hot's
+    32·P for path="onehot"), plus ``extra_bytes_per_patch``; ``S`` the scores of the longest item
+    (``longest_item`` real patches) where the attention kernel materialises them (MPS), else 0. The budget,
+    ``device``, ``free_bytes``, ``total_bytes``, ``dtype`` and ``attn_implementation`` are ``plan``'s.
+    The caller fills each call with whole items up to that many patches, at least one item.
+    """
+    longest = _positive_int("longest_item", longest_item)
+    extra = _integer("extra_bytes_per_patch", extra_bytes_per_patch, 0)
+    if path not in PATHS:
+        raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    _check_memory_arguments(device, free_bytes, total_bytes)
+    device = _planned_device(device, free_bytes)
+    shape = _tower_shape(vision_config, _priced_attention(vision_config, attn_implementation, device))
+    per_patch, per_square = _packed_costs(shape, _dtype_bytes(dtype))
+    cost = _with_headroom(per_patch)
+    if path == "onehot":
+        cost = max(cost, _onehot_bytes(1, shape.table_rows))
+    scores = _with_headroom(per_square * longest * longest)
+    return max(1, (_planned_budget(device, free_bytes, total_bytes) - scores) // (cost + extra))
+
+
+def _check_memory_arguments(device, free_bytes, total_bytes) -> None:
     if (free_bytes is None) != (total_bytes is None):
         raise ValueError("free_bytes, total_bytes: pass both or neither")
     if free_bytes is not None and device is not None:
         raise ValueError("device: pass either a device or free_bytes and total_bytes, not both")
-    if free_bytes is None:
-        device = _visible_device(device) if device is not None else _current_device()
+
+
+def _planned_device(device, free_bytes) -> torch.device | None:
+    """The device whose memory to ask: ``device``, else the current accelerator; None with ``free_bytes``."""
+    if free_bytes is not None:
+        return None
+    return visible_device(device) if device is not None else current_device()
+
+
+def _priced_attention(vision_config, attn_implementation, device) -> str | None:
+    """MPS's SDPA builds the (N, N) scores that CUDA's and the CPU's fused kernels never hold: eager's price."""
     if device is not None and device.type == "mps" and _attention(vision_config, attn_implementation) == "sdpa":
-        attn_implementation = "eager"
-    cost = extra + transient_bytes_per_item(
-        patches_per_item, vision_config, path=path, dtype=dtype, attn_implementation=attn_implementation
-    )
+        return "eager"
+    return attn_implementation
+
+
+def _planned_budget(device, free_bytes, total_bytes) -> int:
     if free_bytes is None:
         free, total = device_memory(device)
     else:
         free, total = _integer("free_bytes", free_bytes, 0), _integer("total_bytes", total_bytes, 0)
-    return max(1, min(items, _budget(free, total) // cost))
+    return _budget(free, total)
 
 
 def transient_bytes_per_item(
@@ -143,6 +217,7 @@ def transient_bytes_per_item(
     path: str = "fused",
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str | None = None,
+    encoder: str = "stock",
 ) -> int:
     """Peak transient bytes one item adds to a vision-tower forward (see the module docstring).
 
@@ -155,62 +230,24 @@ def transient_bytes_per_item(
         dtype: the tower's compute dtype.
         attn_implementation: "sdpa" or "eager"; default: the config's ``_attn_implementation``, else "sdpa"
             (transformers' default).
+        encoder: "stock" (every item padded to N, behind an (N, N) mask) or "packed" (``fused_vision.packed``:
+            N is the item's real patches; no mask, attention per item).
     """
     patches = _positive_int("patches_per_item", patches_per_item)
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
     shape = _tower_shape(vision_config, attn_implementation)
-    peak = _encoder_peak_bytes(shape, patches, _dtype_bytes(dtype))
-    fused = _ceil_div(peak * _HEADROOM_NUMERATOR, _HEADROOM_DENOMINATOR)
+    if encoder == "packed":
+        per_patch, per_square = _packed_costs(shape, _dtype_bytes(dtype))
+        peak = patches * per_patch + per_square * patches * patches
+    else:
+        peak = _encoder_peak_bytes(shape, patches, _dtype_bytes(dtype))
+    fused = _with_headroom(peak)
     if path == "onehot":
         return max(_onehot_bytes(patches, shape.table_rows), fused)
     return fused
-
-
-def _visible_device(device: torch.device | str | int) -> torch.device:
-    """``torch.device(device)``, which must name a device this torch can see."""
-    try:
-        device = torch.device(device)
-    except RuntimeError as exc:  # an index where this machine has no accelerator
-        raise ValueError(f"device: {device!r} names no device here ({exc}); pass free_bytes and total_bytes") from None
-    available = {"cuda": torch.cuda.is_available, "xpu": torch.xpu.is_available, "mps": torch.backends.mps.is_available}
-    if device.type in available and not available[device.type]():
-        raise ValueError(
-            f"device: this torch sees no {device.type} device; "
-            "pass free_bytes and total_bytes to plan for another machine"
-        )
-    return device
-
-
-def device_memory(device: torch.device | str | int) -> tuple[int, int]:
-    """(free_bytes, total_bytes) of ``device``, asked of its own backend.
-
-    CUDA and ROCm (whose devices are "cuda" too): ``torch.cuda.mem_get_info``. XPU: ``torch.xpu.mem_get_info``.
-    MPS: Metal's recommended working-set size as the total, less what the Metal driver holds for this
-    process. CPU: available and total RAM from the operating system, within the process's cgroup memory
-    limit (a container's) when it has one. Any other accelerator (HPU, an out-of-tree NPU, ...):
-    ``torch.accelerator.get_memory_info`` where this torch has it (2.10+).
-    """
-    device = _visible_device(device)
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-    elif device.type == "xpu":
-        free, total = torch.xpu.mem_get_info(device)
-    elif device.type == "mps":
-        total = torch.mps.recommended_max_memory()
-        free = max(0, total - torch.mps.driver_allocated_memory())
-    elif device.type == "cpu":
-        free, total = _host_memory()
-    elif hasattr(torch.accelerator, "get_memory_info") and device.type == getattr(
-        torch.accelerator.current_accelerator(check_available=True), "type", None
-    ):
-        free, total = torch.accelerator.get_memory_info(device)
-    else:
-        raise ValueError(
-            f"device: cannot query memory of device type {device.type!r}; expected cuda, xpu, mps, cpu or "
-            "this machine's accelerator with torch 2.10+ (or pass free_bytes and total_bytes)"
-        )
-    return int(free), int(total)
 
 
 def _budget(free_bytes: int, total_bytes: int) -> int:
@@ -220,59 +257,6 @@ def _budget(free_bytes: int, total_bytes: int) -> int:
 
 def _onehot_bytes(patches: int, table_rows: int) -> int:
     return patches * _ONEHOT_BYTES_PER_ROW * table_rows
-
-
-def _host_memory() -> tuple[int, int]:
-    """The host's available and total RAM, cut to the cgroup's limit and what it has left under it."""
-    free, total = _machine_memory()
-    limit = _cgroup_limit()
-    if limit is not None:
-        limit_bytes, used_bytes = limit
-        free, total = min(free, max(0, limit_bytes - used_bytes)), min(total, limit_bytes)
-    return free, total
-
-
-def _machine_memory() -> tuple[int, int]:
-    try:  # Linux: MemAvailable counts reclaimable page cache, which sysconf's free pages do not
-        with open("/proc/meminfo") as meminfo:
-            fields = dict(line.split(":", 1) for line in meminfo)
-        return _kib_field(fields["MemAvailable"]), _kib_field(fields["MemTotal"])
-    except (OSError, KeyError, ValueError):
-        pass
-    try:
-        page = os.sysconf("SC_PAGE_SIZE")
-        return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
-    except (AttributeError, ValueError, OSError) as exc:
-        raise RuntimeError("device: cannot read this host's memory; pass free_bytes and total_bytes") from exc
-
-
-CGROUP_ROOT = "/sys/fs/cgroup"
-# (limit, usage) files: cgroup v2, then v1. v2's limit reads "max" when there is none; v1's, a huge number.
-_CGROUP_FILES = (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))
-
-
-def _cgroup_limit() -> tuple[int, int] | None:
-    """(limit, usage) bytes of the memory cgroup mounted at CGROUP_ROOT, or None without a limit. In a
-    container (Docker, Kubernetes) that is the container's own; a process in a nested cgroup of a host
-    is not looked up."""
-    for limit_file, usage_file in _CGROUP_FILES:
-        try:
-            with open(os.path.join(CGROUP_ROOT, limit_file)) as f:
-                limit = f.read().strip()
-            with open(os.path.join(CGROUP_ROOT, usage_file)) as f:
-                usage = int(f.read().strip())
-            limit_bytes = None if limit == "max" else int(limit)
-        except (OSError, ValueError):
-            continue
-        return None if limit_bytes is None or limit_bytes >= 2**62 else (limit_bytes, usage)
-    return None
-
-
-def _kib_field(value: str) -> int:
-    amount, unit = value.split()
-    if unit != "kB":
-        raise ValueError(f"unexpected /proc/meminfo unit {unit!r}")
-    return int(amount) * 1024
 
 
 @dataclass(frozen=True)
@@ -340,6 +324,10 @@ def _dtype_bytes(dtype) -> int:
     return dtype.itemsize
 
 
+def _with_headroom(peak: int) -> int:
+    return _ceil_div(peak * _HEADROOM_NUMERATOR, _HEADROOM_DENOMINATOR)
+
+
 def _ceil_div(numerator: int, denominator: int) -> int:
     return -(-numerator // denominator)
 
@@ -350,28 +338,42 @@ def _encoder_peak_bytes(shape: _TowerShape, patches: int, dtype_bytes: int) -> i
     The module docstring's phases, in its notation.
     """
     b, n = dtype_bytes, patches
-    D, I, H, d, F = shape.hidden, shape.intermediate, shape.heads, shape.head_dim, shape.pixel_features  # noqa: E741 (the docstring's notation)
-    Q = H * d
+    H, Q = shape.heads, shape.heads * shape.head_dim
     kept_weights = 0
     if shape.attention == "eager":
         mask = b * n
-        scores = H * n * (b + (4 if b == 4 else 8))  # softmax's float32 output, and its float32 input copy
+        scores = H * n * _softmax_bytes(b)
         kept_weights = H * n * b  # the encoder layer holds the attention weights (its `_`) until it returns
     else:
         mask = n
         aligned_copy = b * _ceil_div(n, 8) * 8 if n % 8 else 0  # memory-efficient attention's padded mask
         scores = b * n + max(n, aligned_copy) + b * Q + 4 * H
-    held = 2 * b * D + mask + 2 * b * d
+    return n * _bytes_per_patch(shape, b, mask, scores, kept_weights)
 
+
+def _softmax_bytes(b: int) -> int:
+    """Per score: itself, softmax's float32 output, and its float32 input copy (none for float32 scores)."""
+    return b + (4 if b == 4 else 8)
+
+
+def _bytes_per_patch(shape: _TowerShape, b: int, mask: int, scores: int, kept_weights: int) -> int:
+    """The peak phase's bytes per patch (the module docstring's phases), bookkeeping included."""
+    D, I, H, d, F = shape.hidden, shape.intermediate, shape.heads, shape.head_dim, shape.pixel_features  # noqa: E741 (the docstring's notation)
+    Q = H * d
+    held = 2 * b * D + mask + 2 * b * d
     per_patch = max(
         max(8 * F, b * F + 5 * b * D),  # patch embedder
         held + kept_weights + 2 * b * D + 8 * D,  # RMSNorm
         held + b * D + 3 * b * Q + max(8 * Q, scores),  # attention
         held + kept_weights + 2 * b * D + 3 * b * I,  # MLP
     )
-    return n * (per_patch + _BOOKKEEPING_BYTES)
+    return per_patch + _BOOKKEEPING_BYTES
 
 
-def _current_device() -> torch.device:
-    # check_available: a CUDA build of torch names "cuda" even on a machine without a GPU or driver.
-    return torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
+def _packed_costs(shape: _TowerShape, b: int) -> tuple[int, int]:
+    """The packed encoder's bytes: (per real patch, per square patch of the longest item). No mask, no padding;
+    each item's outputs and their concatenation, log-sum-exp; where the kernel materialises scores
+    (eager-priced: MPS), one item's at a time."""
+    H, Q = shape.heads, shape.heads * shape.head_dim
+    per_patch = _bytes_per_patch(shape, b, mask=0, scores=2 * b * Q + 4 * H, kept_weights=0)
+    return per_patch, H * _softmax_bytes(b) if shape.attention == "eager" else 0

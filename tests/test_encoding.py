@@ -4,6 +4,8 @@ Runs against whichever transformers is importable; `.ci/run` runs it again on tr
 one-hot era).
 """
 
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -32,6 +34,8 @@ from gemma4_towers import (
     run_tower,
     vision_config,
 )
+
+encode_padded = functools.partial(encode_images, packed=False)  # today's buckets by patch count
 
 
 @pytest.fixture(autouse=True)
@@ -68,7 +72,7 @@ def test_encode_images_stacked(planner_calls, dtype, fused):
     if fused:
         apply_fused_vision_to_gemma4(tower)
     with torch.no_grad():
-        got = encode_images(tower, pixels, ids, max_batch=2)
+        got = encode_padded(tower, pixels, ids, max_batch=2)
     assert planner_calls == [(5, SEQ_LEN, dtype)]
     assert [t.shape[0] for t in got] == [12, 10, 3, 1, 16]
     for index, (g, e, x) in enumerate(zip(got, expected, exact, strict=True)):
@@ -85,7 +89,7 @@ def test_encode_images_one_at_a_time_is_the_tower_forward(planner_calls, fused):
         apply_fused_vision_to_gemma4(tower)
     pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=8)
     with torch.no_grad():
-        got = encode_images(tower, pixels, ids, max_batch=1)
+        got = encode_padded(tower, pixels, ids, max_batch=1)
     for index, (g, e) in enumerate(zip(got, per_item_stock(tower, pixels, ids), strict=True)):
         assert_bit_identical(g, e, f"item {index}")
 
@@ -109,7 +113,7 @@ def test_encode_images_list_of_mixed_sizes(planner_calls):
     expected = [run_tower(tower, p[None], i) for p, i in zip(pixels, ids)]
     apply_fused_vision_to_gemma4(tower)
     with torch.no_grad():
-        got = encode_images(tower, pixels, ids)
+        got = encode_padded(tower, pixels, ids)
     assert sorted(planner_calls) == [(2, SEQ_LEN, torch.float32), (3, 16, torch.float32)]
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
@@ -143,10 +147,10 @@ def test_encode_images_halves_a_chunk_that_runs_out_of_memory(monkeypatch, stack
     if not stacked:
         pixels, ids = list(pixels), list(ids)
     monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)  # all 7 in one call
-    expected = encode_images(tower, pixels, ids)
+    expected = encode_padded(tower, pixels, ids)
     sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=2)
     with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per call of 64 patches; went on with 1"):
-        got = encode_images(tower, pixels, ids)
+        got = encode_padded(tower, pixels, ids)
     assert sizes == [7, 3] + [1] * 7, "halved on each error, and the smaller chunk kept for the rest"
     assert len(got) == len(expected)
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):
@@ -157,10 +161,10 @@ def test_encode_images_keeps_the_smaller_chunk_for_the_rest_of_the_bucket(monkey
     tower = make_tower()
     pixels, ids = many_items(5, seed=22)
     monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)
-    expected = encode_images(tower, pixels, ids)
+    expected = encode_padded(tower, pixels, ids)
     sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=4)
     with pytest.warns(RuntimeWarning, match=r"out of memory at 5 items per call of 64 patches; went on with 2"):
-        got = encode_images(tower, pixels, ids)
+        got = encode_padded(tower, pixels, ids)
     assert sizes == [5, 2, 2, 1]
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
@@ -172,7 +176,7 @@ def test_encode_images_reraises_where_one_item_does_not_fit(monkeypatch):
     monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)
     sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=0)
     with pytest.raises(torch.OutOfMemoryError, match="injected: 1 items"):
-        encode_images(tower, pixels, ids)
+        encode_padded(tower, pixels, ids)
     assert sizes == [5, 2, 1], "the caller's error, not a retry loop"
 
 
@@ -191,7 +195,7 @@ def test_encode_images_uses_the_planner(monkeypatch, fused):
 
     monkeypatch.setattr(planner, "plan", plan)
     with torch.no_grad():
-        got = encode_images(model_with(tower), pixels, ids)
+        got = encode_padded(model_with(tower), pixels, ids)
     # an unpatched 5.5-5.9 tower builds the one-hot the planner must price; nothing else does
     path = "onehot" if VERSION < (5, 10) and not fused else "fused"
     assert len(seen) == 1 and seen[0][0][:2] == (3, SEQ_LEN) and seen[0][0][2] is tower.config
@@ -203,7 +207,7 @@ def test_encode_images_uses_the_planner(monkeypatch, fused):
     for g, e in zip(got, per_item_stock(tower, pixels, ids), strict=True):
         assert_close(g, e, **FP32_CLOSE, what="soft tokens")
     with torch.no_grad():
-        encode_images(model_with(tower), list(pixels), list(ids))  # stacked per chunk: a copy per item
+        encode_padded(model_with(tower), list(pixels), list(ids))  # stacked per chunk: a copy per item
     assert seen[1][1]["extra_bytes_per_item"] == SEQ_LEN * (pixels.shape[-1] * 4 + 2 * 8)
 
 
@@ -240,7 +244,7 @@ def test_encode_images_prices_the_attention_the_tower_runs(planner_kwargs, atten
     tower.config._attn_implementation = attention
     pixels, ids = make_inputs(GRIDS, SEQ_LEN)
     with pytest.raises(PlanRecorded):
-        encode_images(tower, pixels, ids)
+        encode_padded(tower, pixels, ids)
     assert planner_kwargs[0]["attn_implementation"] == priced_as
 
 
@@ -264,7 +268,7 @@ def test_encode_images_prices_the_onehot_where_the_patched_embedder_runs_stock(
     pixels, ids = make_inputs(GRIDS, SEQ_LEN)
     items = [p.to(dtype) for p, dtype in zip(pixels, pixel_dtypes, strict=True)]
     with pytest.raises(PlanRecorded):
-        encode_images(tower, items, list(ids))
+        encode_padded(tower, items, list(ids))
     float64 = tower_dtype == torch.float64 or torch.float64 in pixel_dtypes
     assert planner_kwargs[0]["path"] == ("onehot" if VERSION < (5, 10) and float64 else "fused")
 
@@ -348,7 +352,7 @@ def test_models_that_build_the_gemma4_tower(family, planner_calls):
         assert_close(got, expected, **FP32_CLOSE, what=f"{family} encode_images item {index}")
 
 
-def test_processor_items_of_two_budgets_through_encode_images(planner_calls):
+def test_processor_items_of_two_budgets_through_encode_padded(planner_calls):
     pixels70, ids70, tokens70 = processor_batch(SIZES, 70, seed=12)
     pixels140, ids140, tokens140 = processor_batch([(30, 90), (64, 64)], 140, seed=13)
     pixels = [pixels70[0], pixels140[0], pixels70[1], pixels140[1], pixels70[2]]
@@ -359,7 +363,7 @@ def test_processor_items_of_two_budgets_through_encode_images(planner_calls):
     expected = [run_tower(tower, p[None], i[None]) for p, i in zip(pixels, ids)]
     apply_fused_vision_to_gemma4(tower)
     with torch.no_grad():
-        got = encode_images(tower, pixels, ids, max_batch=2)
+        got = encode_padded(tower, pixels, ids, max_batch=2)
     assert sorted(planner_calls) == [(2, 560, torch.float32), (3, 280, torch.float32)]
     assert [g.shape[0] for g in got] == tokens
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from fused_vision import planner
+from fused_vision import _memory, planner
 from fused_vision.planner import device_memory, encoder_chunk, plan, transient_bytes_per_item
 
 GiB, MiB = 2**30, 2**20
@@ -383,7 +383,7 @@ def test_cpu_memory_is_the_hosts():
     assert 0 < free <= total
     if hasattr(os, "sysconf") and "SC_PHYS_PAGES" in os.sysconf_names:
         physical = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        assert total == physical if planner._cgroup_limit() is None else total <= physical
+        assert total == physical if _memory._cgroup_limit() is None else total <= physical
 
 
 @pytest.mark.parametrize(
@@ -398,11 +398,11 @@ def test_cpu_memory_is_the_hosts():
 )
 def test_cpu_memory_within_a_containers_cgroup_limit(monkeypatch, tmp_path, files, limited):
     """A 2 GiB container on a 64 GiB host: its limit, less what it uses, not the host's free RAM."""
-    monkeypatch.setattr(planner, "_machine_memory", lambda: (48 * GiB, 64 * GiB))  # fixed: RAM use drifts
+    monkeypatch.setattr(_memory, "_machine_memory", lambda: (48 * GiB, 64 * GiB))  # fixed: RAM use drifts
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(exist_ok=True)
         (tmp_path / name).write_text(text)
-    monkeypatch.setattr(planner, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(_memory, "CGROUP_ROOT", str(tmp_path))
     assert device_memory("cpu") == ((1536 * MiB, 2 * GiB) if limited else (48 * GiB, 64 * GiB))
 
 
@@ -413,7 +413,7 @@ def test_cpu_memory_without_proc_meminfo(monkeypatch):
     def no_meminfo(*args, **kwargs):
         raise FileNotFoundError("/proc/meminfo")
 
-    monkeypatch.setattr(planner, "open", no_meminfo, raising=False)
+    monkeypatch.setattr(_memory, "open", no_meminfo, raising=False)
     free, total = device_memory(torch.device("cpu"))
     assert 0 < free <= total == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
@@ -509,3 +509,59 @@ def test_unknown_device_type_is_a_clear_error(monkeypatch, device):
     monkeypatch.setattr(torch.cuda, "mem_get_info", _no_cuda)
     with pytest.raises(ValueError, match=f"device: cannot query memory of device type '{device}'"):
         device_memory(device)
+
+
+# ---- the packed encoder ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tower", [TOWER_26B_31B, TOWER_E2B_E4B], ids=["26b_31b", "e2b_e4b"])
+def test_packed_price_per_real_patch(tower):
+    """No mask and no padding: the docstring's phases with m = 0 and scores 2·b·Q + 4·H, per real patch."""
+    b, D, I, H, d = 2, tower.hidden_size, tower.intermediate_size, tower.num_attention_heads, tower.head_dim  # noqa: E741
+    Q, F = H * d, 3 * 16**2
+    held = 2 * b * D + 2 * b * d
+    per_patch = 64 + max(
+        max(8 * F, b * F + 5 * b * D),
+        held + 2 * b * D + 8 * D,
+        held + b * D + 3 * b * Q + max(8 * Q, 2 * b * Q + 4 * H),
+        held + 2 * b * D + 3 * b * I,
+    )
+    for real in (1, 567, 2268):
+        packed = transient_bytes_per_item(real, tower, encoder="packed")
+        assert packed == -(-real * per_patch * 21 // 20)
+        assert packed < transient_bytes_per_item(real, tower), "cheaper than stock at the same N: no mask"
+    assert planner.plan_tokens(2268, tower, free_bytes=3 * GiB, total_bytes=22 * GiB) == (3 * GiB // 2) // -(
+        -per_patch * 21 // 20
+    )
+
+
+def test_packed_tokens_hold_more_than_stocks_items():
+    """At 280 tokens (N = 2520, ~2268 real), the packed budget holds at least stock's items' patches."""
+    memory = dict(free_bytes=3 * GiB, total_bytes=22 * GiB)
+    items = plan(1000, IMAGE, TOWER_26B_31B, **memory)
+    assert planner.plan_tokens(IMAGE, TOWER_26B_31B, **memory) >= items * IMAGE
+
+
+def test_packed_eager_pricing_counts_the_longest_items_scores():
+    """Where the kernel materialises scores (eager-priced: MPS), one item's at a time: a fixed term."""
+    memory = dict(free_bytes=40 * GiB, total_bytes=80 * GiB, attn_implementation="eager")
+    short, long = (planner.plan_tokens(n, TOWER_26B_31B, **memory) for n in (630, 2520))
+    assert long < short
+    sdpa = planner.plan_tokens(2520, TOWER_26B_31B, free_bytes=40 * GiB, total_bytes=80 * GiB)
+    assert long < sdpa
+
+
+def test_packed_onehot_and_extra_bytes_and_errors():
+    memory = dict(free_bytes=3 * GiB, total_bytes=22 * GiB)
+    onehot = planner.plan_tokens(2520, TOWER_26B_31B, path="onehot", **memory)
+    assert onehot == (3 * GiB // 2) // (32 * P), "vLLM's budget over the one-hot's 32·P bytes per patch"
+    assert planner.plan_tokens(2520, TOWER_26B_31B, extra_bytes_per_patch=10**6, **memory) < onehot
+    assert planner.plan_tokens(1, TOWER_26B_31B, free_bytes=0, total_bytes=0) == 1
+    with pytest.raises(ValueError, match="encoder: expected one of"):
+        transient_bytes_per_item(630, TOWER_26B_31B, encoder="padded")
+    with pytest.raises(ValueError, match="path: expected one of"):
+        planner.plan_tokens(630, TOWER_26B_31B, path="packed", **memory)
+    with pytest.raises(ValueError, match="longest_item"):
+        planner.plan_tokens(0, TOWER_26B_31B, **memory)
+    with pytest.raises(ValueError, match="free_bytes, total_bytes"):
+        planner.plan_tokens(630, TOWER_26B_31B, free_bytes=1)

@@ -1,0 +1,172 @@
+"""The packed Gemma 4 vision encoder: every item's real patches in one sequence, attention per item.
+
+Stock pads every item to N = soft_tokens x 9 patches and runs every encoder layer on the padding, behind a
+(B, 1, N, N) mask. The packed encoder drops each item's padding rows (ids (-1, -1)) before the patch
+embedder, concatenates all items' real patches into one (1, T, D) sequence with per-item boundaries
+(``cu_seqlens``), and runs the tower's own embedder, encoder and layers on it; only the attention
+computation is replaced, by attention within each item (``fused_vision.attention``). The pooler then runs
+on each item's patches, scattered back to its padded rows (zeros there, as stock's pooler makes them), so
+each item's soft tokens are stock's on that item alone up to the attention kernel's summation order.
+
+Used by ``fused_vision.encode_images(..., packed=True)`` and by ``Gemma4VisionModel.forward`` once patched
+with ``apply_fused_vision_to_gemma4(model, encoder="packed")``. Differentiable where the attention path is.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import itertools
+import sys
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from . import patching
+from .attention import SUPPORTED_ATTENTION, configured_attention, packed_attention
+
+__all__ = ["attention_supported", "check_attention", "encode", "encoder_target", "packed_model_forward", "soft_tokens"]
+
+# Keywords of Gemma4VisionModel.forward under which the packed forward still returns stock's outputs
+_PASSIVE_KWARGS = ("return_dict", "output_hidden_states", "output_attentions")
+
+
+def attention_supported(config) -> bool:
+    """Whether the packed encoder computes what the config's attention implementation does."""
+    attention = configured_attention(config)
+    return attention is None or attention in SUPPORTED_ATTENTION
+
+
+def check_attention(config, argument: str = "encoder") -> None:
+    if not attention_supported(config):
+        raise ValueError(
+            f"{argument}: the packed encoder replaces {SUPPORTED_ATTENTION} attention only; this tower is "
+            f"configured with {config._attn_implementation!r} (use encoder='stock')"
+        )
+
+
+def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtype, pooler_float32):
+    """The release's tail of ``Gemma4VisionModel.forward``: the tower's pooler, its filled slots, the
+    standardization; returns the (sum T_i, D) soft tokens and each item's count."""
+    pooled, mask = tower.pooler(
+        hidden_states=hidden_states,
+        pixel_position_ids=position_ids,
+        padding_positions=padding,
+        output_length=output_length,
+    )
+    tokens = pooled[mask]
+    if pooler_float32:  # 5.10+: standardize in float32, then back to the working dtype
+        if tower.config.standardize:
+            tokens = (tokens - tower.std_bias.float()) * tower.std_scale.float()
+        tokens = tokens.to(dtype)
+    elif tower.config.standardize:  # 5.5-5.9: in the pooled dtype
+        tokens = (tokens - tower.std_bias) * tower.std_scale
+    return tokens, mask.sum(dim=1).tolist()
+
+
+def _run_encoder(tower, inputs_embeds, position_ids, lengths):
+    """The tower's own encoder on the (1, T, D) packed sequence, its attention within each item."""
+    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=inputs_embeds.device)
+    longest = max(lengths)
+    configs = [tower.encoder.config] + [layer.self_attn.config for layer in tower.encoder.layers]
+    with packed_attention(configs):
+        return tower.encoder(
+            inputs_embeds=inputs_embeds,
+            attention_mask=None,  # the packed attention needs none; no (T, T) mask is built
+            pixel_position_ids=position_ids,
+            cu_seq_lens_q=offsets,
+            cu_seq_lens_k=offsets,
+            max_length_q=longest,
+            max_length_k=longest,
+            fused_vision_lengths=lengths,
+        ).last_hidden_state
+
+
+def encode(
+    tower: nn.Module,
+    pixel_values: Sequence[torch.Tensor],
+    position_ids: Sequence[torch.Tensor],
+    pooler_float32: bool,
+) -> list[torch.Tensor]:
+    """Soft tokens of each item, (N_i, K) pixels and (N_i, 2) ids on the tower's device, in one packed
+    forward: a list of (T_i, D) tensors as the release's ``Gemma4VisionModel.forward`` returns them."""
+    real = [~(ids == -1).all(dim=-1) for ids in position_ids]
+    lengths = torch.stack([mask.sum() for mask in real]).tolist()
+    pixels = torch.cat([p[mask] for p, mask in zip(pixel_values, real)])[None]
+    ids = torch.cat([i[mask] for i, mask in zip(position_ids, real)])[None]
+    no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
+    segments = torch.split(_run_encoder(tower, inputs_embeds, ids, lengths)[0], lengths)
+
+    groups: dict[int, list[int]] = {}  # items of one N share a pooler call, as in stock's batch
+    for index, item_ids in enumerate(position_ids):
+        groups.setdefault(item_ids.shape[0], []).append(index)
+    kernel = tower.config.pooling_kernel_size
+    outputs: list[torch.Tensor | None] = [None] * len(position_ids)
+    for patches, members in groups.items():
+        mask = torch.stack([real[m] for m in members])
+        rows = torch.cat([segments[m] for m in members])
+        padded = rows.new_zeros(len(members), patches, rows.shape[-1]).masked_scatter(mask[..., None], rows)
+        group_ids = torch.stack([position_ids[m] for m in members])
+        tokens, counts = soft_tokens(
+            tower, padded, group_ids, ~mask, patches // (kernel * kernel), inputs_embeds.dtype, pooler_float32
+        )
+        for member, item_tokens in zip(members, torch.split(tokens, counts)):
+            outputs[member] = item_tokens
+    return outputs
+
+
+@functools.cache
+def stock_output_class(cls: type) -> type:
+    """The ``ModelOutput`` class the stock ``cls.forward`` returns (5.5-5.9 and 5.10+ differ), told from its code."""
+    from transformers.utils import ModelOutput
+
+    stock = inspect.unwrap(patching.stock_attribute(cls, "forward"))
+    module = sys.modules[cls.__module__]
+    found = {getattr(module, name, None) for name in stock.__code__.co_names}
+    outputs = [value for value in found if isinstance(value, type) and issubclass(value, ModelOutput)]
+    if len(outputs) != 1:
+        raise RuntimeError(f"encoder: cannot tell the output class of this {cls.__name__}.forward ({outputs})")
+    return outputs[0]
+
+
+def _packs(tower, pixel_values, pixel_position_ids, kwargs) -> bool:
+    """Whether the packed forward returns exactly what stock would: padded (B, N, ·) tensors, no recorded
+    hidden states or attentions, a ``ModelOutput`` back; else stock runs (and raises as it does)."""
+    config = tower.config
+    if any(name not in _PASSIVE_KWARGS for name in kwargs) or kwargs.get("return_dict", True) is False:
+        return False
+    recorded = ("output_hidden_states", "output_attentions")
+    if any(kwargs.get(name) or getattr(config, name, False) for name in recorded):
+        return False
+    if getattr(config, "return_dict", True) is False:
+        return False
+    if not isinstance(pixel_values, torch.Tensor) or not isinstance(pixel_position_ids, torch.Tensor):
+        return False
+    if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3 or pixel_position_ids.shape[-1] != 2:
+        return False
+    if pixel_values.shape[:2] != pixel_position_ids.shape[:2] or pixel_position_ids.is_floating_point():
+        return False
+    return bool((pixel_position_ids != -1).any())  # nothing real: stock's own forward
+
+
+def encoder_target(tower_cls: type, model, state) -> patching.Target:
+    """What ``encoder="packed"`` patches: ``tower_cls.forward`` (``Gemma4VisionModel``'s), once every tower
+    in ``model`` is known to be configured with an attention the packed encoder replaces."""
+    stock_output_class(tower_cls)  # raises where the stock forward is not one this module knows
+    for module in model.modules() if isinstance(model, nn.Module) else ():
+        if isinstance(module, tower_cls):
+            check_attention(module.config)
+    return patching.Target(tower_cls, {"forward": packed_model_forward}, state)
+
+
+def packed_model_forward(self, pixel_values, pixel_position_ids, **kwargs):
+    """``Gemma4VisionModel.forward`` through the packed encoder: the padding stripped, the same outputs."""
+    state = patching.fused_state(self)
+    if state is None or not _packs(self, pixel_values, pixel_position_ids, kwargs):
+        return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
+    check_attention(self.config)
+    output_class = stock_output_class(next(cls for cls in type(self).__mro__ if "forward" in cls.__dict__))
+    tokens = encode(self, list(pixel_values), list(pixel_position_ids), state.pooler_float32)
+    return output_class(last_hidden_state=torch.cat(tokens))

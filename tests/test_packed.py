@@ -1,0 +1,339 @@
+"""The packed encoder (fused_vision.packed) against transformers' own Gemma 4 vision tower, item by item.
+
+Runs against whichever transformers is importable; `.ci/run` runs it again on transformers 5.9 (the
+one-hot era). Towers at both real head sizes, tiny otherwise: E2B/E4B-like (clipped linears, head_dim 64)
+and 26B/31B-like (standardized, head_dim 72).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+
+import fused_vision.encoding as fe
+import fused_vision.packed as fp
+import fused_vision.planner as planner
+from fused_vision import apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
+
+from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from gemma4_towers import (
+    FP32_CLOSE,
+    GRIDS,
+    SEQ_LEN,
+    SIZES,
+    VERSION,
+    fused_ops,
+    make_inputs,
+    modeling,
+    processor_batch,
+    randomize,
+    run_tower,
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+ACCURACY_FLOOR = {
+    torch.float32: 16 * 2**-24,
+    torch.bfloat16: 2**-8,
+    torch.float16: 2**-10,
+}  # 2 units: the output rounding alone is 1
+KINDS = ["e2b_like", "31b_like"]
+
+
+@pytest.fixture(autouse=True)
+def stock_after_each_test():
+    yield
+    revert_fused_vision_gemma4()
+
+
+def tower_of(kind, dtype=torch.float32, *, patch_size=2, positions=64, seed=0, attention_implementation="sdpa"):
+    """A tiny tower of the kind: 2 layers, hidden 32, two heads of the real head_dim."""
+    clipped = kind == "e2b_like"
+    config = modeling.Gemma4VisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64 if clipped else 72,
+        patch_size=patch_size,
+        position_embedding_size=positions,
+        pooling_kernel_size=2,
+        standardize=not clipped,
+        use_clipped_linears=clipped,
+    )
+    config._attn_implementation = attention_implementation
+    tower = randomize(modeling.Gemma4VisionModel(config), seed)
+    with torch.no_grad():
+        for name, buffer in tower.named_buffers():  # bounds that clip some values, never all
+            if name.endswith(("input_min", "output_min")):
+                buffer.fill_(-0.6)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(0.6)
+    return tower.to(DEVICE, dtype).eval()
+
+
+def mixed_items(seed=5):
+    """Items of two padded lengths (64 and 16 patches), interleaved."""
+    large_pixels, large_ids = make_inputs(GRIDS, SEQ_LEN, seed=seed)
+    small_pixels, small_ids = make_inputs([(4, 4), (2, 6)], 16, seed=seed + 1)
+    pixels = [large_pixels[0], small_pixels[0], large_pixels[1], small_pixels[1], large_pixels[2]]
+    ids = [large_ids[0], small_ids[0], large_ids[1], small_ids[1], large_ids[2]]
+    return pixels, ids
+
+
+def alone(tower, pixels, ids):
+    """Stock's soft tokens of each item run alone through the (stock) tower."""
+    return [run_tower(tower, p[None].to(tower.dtype), i[None]) for p, i in zip(pixels, ids)]
+
+
+def assert_items_match(got, stock, exact, dtype):
+    assert len(got) == len(stock)
+    for index, (g, s, x) in enumerate(zip(got, stock, exact, strict=True)):
+        assert g.shape == s.shape and g.dtype == s.dtype, f"item {index}"
+        if dtype == torch.float32:
+            assert_close(g, s, **FP32_CLOSE, what=f"item {index}")
+        floor = ACCURACY_FLOOR[dtype]
+        assert_as_accurate_as_stock(g, s, x, floor=floor, ords=(2, float("inf")), what=f"item {index}")
+
+
+@pytest.fixture
+def packed_calls(monkeypatch):
+    """The items of each packed encoder call."""
+    calls, encode = [], fp.encode
+
+    def recording(tower, pixels, ids, pooler_float32):
+        calls.append(len(pixels))
+        return encode(tower, pixels, ids, pooler_float32)
+
+    monkeypatch.setattr(fp, "encode", recording)
+    return calls
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("kind", KINDS)
+def test_items_of_different_patch_counts_in_one_call_match_stock_alone(poisoned, packed_calls, kind, dtype):
+    tower = tower_of(kind, dtype)
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    got = encode_images(tower, pixels, ids)
+    assert packed_calls == [5], "one packed call for every item"
+    assert_items_match(got, stock, exact, dtype)
+    assert tower.config._attn_implementation == "sdpa", "the config's attention is restored"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kind", KINDS)
+def test_processor_images_of_two_budgets_and_video_frames(packed_calls, kind, dtype):
+    pixels70, ids70, tokens70 = processor_batch(SIZES, 70, seed=12)
+    pixels140, ids140, tokens140 = processor_batch([(30, 90), (64, 64)], 140, seed=13)
+    frames, frame_ids, frame_tokens = processor_batch([(36, 64)] * 4, 70, seed=14)  # video-like: one size
+    pixels = [*pixels70, *pixels140, *frames]
+    ids = [*ids70, *ids140, *frame_ids]
+    positions = max(int(i.max()) for i in ids) + 1
+    tower = tower_of(kind, dtype, patch_size=4, positions=positions)
+    stock = alone(tower, pixels, ids)
+    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    got = encode_images(tower, pixels, ids)
+    assert packed_calls == [len(pixels)]
+    assert [g.shape[0] for g in got] == [*tokens70, *tokens140, *frame_tokens]
+    assert_items_match(got, stock, exact, dtype)
+
+
+@pytest.mark.parametrize("fused_ops_too", [False, True], ids=["stock_ops", "fused_ops"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_patched_tower_forward_returns_stock_outputs(monkeypatch, kind, fused_ops_too):
+    tower = tower_of(kind)
+    pixels, ids = make_inputs(GRIDS + [(2, 2)], SEQ_LEN, seed=9)
+    stock = tower(pixel_values=pixels, pixel_position_ids=ids)
+    keywords = {} if fused_ops_too else dict(embedder=None, pooler=False)
+    assert apply_fused_vision_to_gemma4(tower, encoder="packed", **keywords) == (3 if fused_ops_too else 1)
+    assert "packed_encoder(backend=auto)" in fused_ops(tower)
+    calls, varlen = [], attention.varlen_attention
+    monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(a[4]) or varlen(*a, **k))
+    got = tower(pixel_values=pixels, pixel_position_ids=ids)
+    assert type(got) is type(stock) and list(got.keys()) == list(stock.keys())
+    assert calls == [[48, 40, 12, 4]] * 2, "each layer attends within the items' real patches"
+    assert_close(got.last_hidden_state, stock.last_hidden_state, **FP32_CLOSE, what="soft tokens")
+    with torch.no_grad():  # stock's own forward wherever outputs are recorded
+        recorded = tower(pixel_values=pixels, pixel_position_ids=ids, output_hidden_states=True)
+    assert len(calls) == 2 and recorded.hidden_states is not None
+
+    assert revert_fused_vision_gemma4(tower) >= 1
+    assert_bit_identical(tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state, stock.last_hidden_state)
+    assert len(calls) == 2, "reverted: stock runs"
+
+
+def test_the_class_patch_reaches_get_image_features(monkeypatch):
+    from gemma4_towers import tiny_conditional_generation
+
+    model = tiny_conditional_generation()
+    randomize(model.model.vision_tower, seed=4)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=10)
+    pixels, ids = pixels.cpu(), ids.cpu()
+    with torch.no_grad():
+        stock = model.model.get_image_features(pixels, ids).pooler_output
+        assert apply_fused_vision_to_gemma4(encoder="packed") == 3
+        calls, varlen = [], attention.varlen_attention
+        monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(1) or varlen(*a, **k))
+        got = model.model.get_image_features(pixels, ids).pooler_output
+    assert calls, "the packed encoder ran"
+    assert_close(got, stock, **FP32_CLOSE, what="image features")
+
+
+def test_gradients_through_the_packed_tower_match_stock():
+    stock_tower = tower_of("31b_like")
+    tower = copy.deepcopy(stock_tower)
+    apply_fused_vision_to_gemma4(tower, encoder="packed")
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
+    grads = []
+    for model in (stock_tower, tower):
+        inputs = pixels.clone().requires_grad_()
+        out = model(pixel_values=inputs, pixel_position_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        grads.append({"pixels": inputs.grad} | {name: p.grad for name, p in model.named_parameters()})
+    for name, expected in grads[0].items():
+        assert grads[1][name] is not None, name
+        assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
+    assert grads[0]["pixels"].abs().sum() > 0
+
+
+def test_packed_calls_fill_up_to_the_token_budget(monkeypatch, packed_calls):
+    tower = tower_of("e2b_like")
+    pixels, ids = mixed_items()  # real patches 48, 16, 40, 12, 12
+    budgets = []
+
+    def plan_tokens(longest, config, **kwargs):
+        budgets.append((longest, kwargs["path"], kwargs["extra_bytes_per_patch"]))
+        return 60
+
+    monkeypatch.setattr(planner, "plan_tokens", plan_tokens)
+    expected = alone(tower, pixels, ids)
+    got = encode_images(tower, pixels, ids)
+    assert packed_calls == [1, 2, 2], "48 | 16 + 40 | 12 + 12: whole items up to 60 patches"
+    # an unpatched 5.5-5.9 tower's embedder builds the one-hot the planner must price
+    assert budgets == [(48, "onehot" if VERSION < (5, 10) else "fused", 12 * 4 + 2 * 8)]
+    packed_calls.clear()
+    encode_images(tower, pixels, ids, max_batch=1)
+    assert packed_calls == [1] * 5
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+
+
+def test_the_budget_is_the_planners_under_vllms_safety_net(monkeypatch):
+    tower = tower_of("31b_like")
+    pixels, ids = mixed_items()
+    monkeypatch.setattr(planner, "device_memory", lambda device: (10**9, 10**9))
+    seen = []
+    real = planner.plan_tokens
+
+    def plan_tokens(*args, **kwargs):
+        seen.append(real(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(planner, "plan_tokens", plan_tokens)
+    encode_images(tower, pixels, ids)
+    path = "onehot" if VERSION < (5, 10) else "fused"
+    expected = real(48, tower.config, path=path, free_bytes=10**9, total_bytes=10**9, dtype=torch.float32)
+    assert seen == [
+        real(
+            48,
+            tower.config,
+            path=path,
+            free_bytes=10**9,
+            total_bytes=10**9,
+            dtype=torch.float32,
+            extra_bytes_per_patch=64,
+        )
+    ]
+    assert seen[0] < expected, "the input copies are priced"
+
+
+def test_a_packed_call_that_runs_out_of_memory_is_halved(monkeypatch):
+    tower = tower_of("e2b_like")
+    pixels, ids = make_inputs([GRIDS[i % 3] for i in range(7)], SEQ_LEN, seed=21)
+    expected = encode_images(tower, pixels, ids)
+    sizes, encode = [], fp.encode
+
+    def limited(tower, pixels, ids, pooler_float32):
+        sizes.append(len(pixels))
+        if len(pixels) > 2:
+            raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
+        return encode(tower, pixels, ids, pooler_float32)
+
+    monkeypatch.setattr(fp, "encode", limited)
+    with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per packed call; went on with 1"):
+        got = encode_images(tower, pixels, ids)
+    assert sizes == [7, 3] + [1] * 7
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+
+
+def test_a_packed_call_of_one_item_that_runs_out_of_memory_reraises(monkeypatch):
+    tower = tower_of("e2b_like")
+    pixels, ids = mixed_items()
+    sizes = []
+
+    def always(tower, pixels, ids, pooler_float32):
+        sizes.append(len(pixels))
+        raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
+
+    monkeypatch.setattr(fp, "encode", always)
+    with pytest.raises(torch.OutOfMemoryError, match="injected: 1 items"):
+        encode_images(tower, pixels, ids)
+    assert sizes == [5, 2, 1], "the caller's error, not a retry loop"
+
+
+def test_bad_input_names_the_argument():
+    tower = tower_of("e2b_like")
+    pixels, ids = mixed_items()
+    no_real = torch.full_like(ids[1], -1)
+    with pytest.raises(ValueError, match=r"pixel_position_ids: item 1: no real patch"):
+        encode_images(tower, pixels, [ids[0], no_real, *ids[2:]])
+    outside = ids[2].clone()
+    outside[0] = torch.tensor([64, 0])
+    with pytest.raises(ValueError, match=r"pixel_position_ids: item 2: real patch ids outside .*\[0, 64\)"):
+        encode_images(tower, pixels, [*ids[:2], outside, *ids[3:]])
+    with pytest.raises(ValueError, match=r"pixel_values: item 0: 63 patches, not a multiple"):
+        encode_images(tower, [pixels[0][:63], *pixels[1:]], [ids[0][:63], *ids[1:]])
+    with pytest.raises(ValueError, match=r"pixel_values: item 1: expected 12 features like item 0"):
+        encode_images(tower, [pixels[0], pixels[1][:, :-1], *pixels[2:]], ids)
+    with pytest.raises(ValueError, match=r"item 1: expected pixels \(N, K\) and position ids \(N, 2\)"):
+        encode_images(tower, pixels, [ids[0], ids[1][:8], *ids[2:]])
+    with pytest.raises(ValueError, match="encoder: expected one of"):
+        apply_fused_vision_to_gemma4(tower, encoder="padded")
+    assert len(encode_images(tower, pixels, ids)) == len(pixels), "no item lost"
+
+
+def test_an_unsupported_attention_implementation(monkeypatch):
+    tower = tower_of("e2b_like", attention_implementation="flex_attention")
+    with pytest.raises(ValueError, match=r"encoder: the packed encoder replaces .* 'flex_attention'"):
+        apply_fused_vision_to_gemma4(tower, encoder="packed")
+    assert fused_ops(tower) == [], "nothing patched"
+
+    monkeypatch.setattr(attention, "_WARNED", set())
+    padded = []
+    monkeypatch.setattr(fe, "_encode_chunk", lambda tower, p, i: padded.append(len(p)) or [p[0, :1]] * len(p))
+    pixels, ids = mixed_items()
+    with pytest.warns(RuntimeWarning, match="'flex_attention' attention; the padded path runs"):
+        assert len(encode_images(tower, pixels, ids)) == len(pixels)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once
+        encode_images(tower, pixels, ids)
+    assert sorted(padded) == [2, 2, 3, 3], "the padded buckets ran, twice"
+
+    apply_fused_vision_to_gemma4(encoder="packed")  # the class patch meets it only at call time
+    with pytest.raises(ValueError, match="encoder: the packed encoder replaces"):
+        tower(pixel_values=pixels[0][None], pixel_position_ids=ids[0][None])
+
+
+def test_attention_paths_a_kernel_does_not_take_go_to_sdpa(monkeypatch):
+    monkeypatch.setattr(attention, "_WARNED", set())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # CUDA warns once that no varlen kernel takes these
+        for dtype, head_dim in ((torch.float32, 64), (torch.float16, 36), (torch.bfloat16, 264)):
+            query = torch.randn(10, 2, head_dim, device=DEVICE, dtype=dtype)
+            assert attention.attention_path(query) == "sdpa", (dtype, head_dim)
+    with pytest.raises(ValueError, match="path: expected"):
+        attention.varlen_attention(query, query, query, None, [10], 10, scale=1.0, path="flex")
