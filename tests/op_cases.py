@@ -92,3 +92,9 @@ def exactly_summable(*shape, dtype, generator=None):
     """Multiples of 1/8 in [-4, 4]: their squares sum exactly in fp32 over a few thousand values, in any
     order, so a row norm's sum cannot depend on the reduction order."""
     return (torch.randint(-32, 33, shape, generator=generator) / 8).to(DEVICE, dtype)
+
+
+def sum_order_error(size):
+    """A bound on the relative error of an RMS norm's output from summing ``size`` fp32 squares in another
+    order: each order is off by at most size * 2**-24 relative, and the -0.5 power halves it."""
+    return size * 2**-25
