@@ -5,9 +5,12 @@ from importlib.metadata import version as _version
 
 from .encoding import encode_images
 from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
+from .ops.gelu_gate import gelu_gate
 from .ops.patch_embed import patch_embed
 from .ops.pool_by_positions import pool_by_positions
 from .ops.position_embeddings import position_embeddings
+from .ops.qkv_norm_rope import qkv_norm_rope
+from .ops.residual_rms_norm import residual_rms_norm
 from .sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
 try:
@@ -19,9 +22,12 @@ __all__ = [
     "apply_fused_vision_to_gemma4",
     "apply_fused_vision_to_sglang_gemma4",
     "encode_images",
+    "gelu_gate",
     "patch_embed",
     "pool_by_positions",
     "position_embeddings",
+    "qkv_norm_rope",
+    "residual_rms_norm",
     "revert_fused_vision_gemma4",
     "revert_fused_vision_sglang_gemma4",
     "__version__",

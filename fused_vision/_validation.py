@@ -150,3 +150,64 @@ def check_pool_inputs(
     if isinstance(output_length, bool) or not isinstance(output_length, (int, torch.SymInt)) or output_length < 1:
         raise ValueError(f"output_length: expected a positive int, got {output_length!r}")
     check_same_device(hidden_states=hidden_states, position_ids=position_ids, padding_positions=padding_positions)
+
+
+def check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
+        raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
+
+
+def check_clamps(clamps: torch.Tensor | None, rows: int, described: str) -> None:
+    if clamps is not None:
+        check_tensor("clamps", clamps, 2, (torch.float32,))
+        check_shape("clamps", clamps, (rows, 2), f"({described}) x (min, max)")
+
+
+def check_norm_weight(name: str, weight: torch.Tensor | None, size: int, described: str) -> None:
+    if weight is not None:
+        check_tensor(name, weight, 1, FLOAT_DTYPES)
+        check_shape(name, weight, (size,), described)
+
+
+def check_qkv_norm_rope_inputs(qkv, position_ids, q_weight, k_weight, inv_freq, num_heads, num_kv_heads, eps, clamps):
+    check_tensor("qkv", qkv, 2, FLOAT_DTYPES)
+    check_tensor("q_weight", q_weight, 1, FLOAT_DTYPES)
+    head_dim = q_weight.shape[0]
+    if head_dim == 0 or head_dim % 4:
+        raise ValueError(f"q_weight: expected shape (head_dim,) with head_dim a positive multiple of 4, got {head_dim}")
+    check_norm_weight("k_weight", k_weight, head_dim, "(head_dim,)")
+    for name, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(heads, bool) or not isinstance(heads, (int, torch.SymInt)) or heads < 1:
+            raise ValueError(f"{name}: expected a positive int, got {heads!r}")
+    columns = (num_heads + 2 * num_kv_heads) * head_dim
+    check_shape("qkv", qkv, (qkv.shape[0], columns), "(T, (num_heads + 2 * num_kv_heads) * head_dim)")
+    check_tensor("position_ids", position_ids, 2, INDEX_DTYPES)
+    check_shape("position_ids", position_ids, (qkv.shape[0], 2), "(T, 2)")
+    check_tensor("inv_freq", inv_freq, 1, (torch.float32,))
+    check_shape("inv_freq", inv_freq, (head_dim // 4,), "(head_dim // 4,)")
+    check_eps(eps)
+    check_clamps(clamps, 3, "q, k, v")
+    check_same_device(
+        qkv=qkv, position_ids=position_ids, q_weight=q_weight, k_weight=k_weight, inv_freq=inv_freq, clamps=clamps
+    )
+
+
+def check_residual_rms_norm_inputs(x, residual, post_weight, next_weight, eps):
+    check_tensor("x", x, x.dim() if isinstance(x, torch.Tensor) else 1, FLOAT_DTYPES)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected shape (..., D) with D >= 1, got {tuple(x.shape)}")
+    check_tensor("residual", residual, x.dim(), (x.dtype,))
+    check_shape("residual", residual, x.shape, "x's shape")
+    check_tensor("post_weight", post_weight, 1, FLOAT_DTYPES)
+    check_norm_weight("post_weight", post_weight, x.shape[-1], "(D,)")
+    check_norm_weight("next_weight", next_weight, x.shape[-1], "(D,)")
+    check_eps(eps)
+    check_same_device(x=x, residual=residual, post_weight=post_weight, next_weight=next_weight)
+
+
+def check_gelu_gate_inputs(gate_up, clamps):
+    check_tensor("gate_up", gate_up, gate_up.dim() if isinstance(gate_up, torch.Tensor) else 1, FLOAT_DTYPES)
+    if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up: expected shape (..., 2 * I) with I >= 1, got {tuple(gate_up.shape)}")
+    check_clamps(clamps, 3, "gate, up, down input")
+    check_same_device(gate_up=gate_up, clamps=clamps)

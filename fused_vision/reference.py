@@ -207,3 +207,91 @@ def position_embeddings_table_grad(
     acc[0].index_put_((clamped[..., 0].flatten(),), grad, accumulate=True)
     acc[1].index_put_((clamped[..., 1].flatten(),), grad, accumulate=True)
     return acc
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``Gemma4RMSNorm.forward``: in fp32, ``x * pow(mean(x²) + eps, -0.5)``, times ``weight`` (not
+    ``1 + weight``) in fp32, rounded once to the input's dtype; ``weight=None`` is ``with_scale=False``."""
+    x = hidden_states.float()
+    normed = x * torch.pow(x.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        normed = normed * weight.float()
+    return normed.type_as(hidden_states)
+
+
+def clipped(x: torch.Tensor, clamps: torch.Tensor | None, row: int) -> torch.Tensor:
+    """``Gemma4ClippableLinear``'s clamp to row ``row`` of a (rows, 2) fp32 (min, max) table; none without one."""
+    return x if clamps is None else torch.clamp(x, clamps[row, 0], clamps[row, 1])
+
+
+def rope_cos_sin(position_ids: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
+    """``Gemma4VisionRotaryEmbedding.forward`` for (..., 2) (x, y) positions and its d // 4 inverse
+    frequencies: (..., d) cos and sin laid out x, x, y, y, cast to ``dtype``. (Stock's multiply by its
+    attention_scaling, 1.0 for the axial RoPE, is exact and left out.)"""
+    freqs = position_ids[..., None].float() * inv_freq.float()
+
+    def recompose(f):
+        return torch.cat([f[..., 0, :], f[..., 0, :], f[..., 1, :], f[..., 1, :]], dim=-1)
+
+    return recompose(freqs.cos()).to(dtype), recompose(freqs.sin()).to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def axial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``apply_multidimensional_rope`` with two axes on (T, H, d) heads and (T, d) cos and sin: the x half
+    and the y half each ``x * cos + rotate_half(x) * sin`` in the heads' dtype."""
+    half = x.shape[-1] // 2
+    parts = []
+    for axis in range(2):
+        part = slice(axis * half, (axis + 1) * half)
+        parts.append(x[..., part] * cos[:, None, part] + rotate_half(x[..., part]) * sin[:, None, part])
+    return torch.cat(parts, dim=-1)
+
+
+def qkv_norm_rope(
+    qkv: torch.Tensor,
+    position_ids: torch.Tensor,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    inv_freq: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    eps: float = 1e-6,
+    clamps: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``Gemma4VisionAttention.forward`` from the projections to the attention call, on (T, (H + 2 Hkv) d)
+    fused projections: the output clamps (rows q, k, v of ``clamps``), q_norm, k_norm, v_norm, the axial
+    RoPE on q and k. Returns contiguous (T, H, d) q and (T, Hkv, d) k and v."""
+    head_dim = q_weight.shape[0]
+    q, k, v = qkv.split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1)
+    cos, sin = rope_cos_sin(position_ids, inv_freq, qkv.dtype)
+    q = rms_norm(clipped(q, clamps, 0).unflatten(-1, (num_heads, head_dim)), q_weight, eps)
+    k = rms_norm(clipped(k, clamps, 1).unflatten(-1, (num_kv_heads, head_dim)), k_weight, eps)
+    v = rms_norm(clipped(v, clamps, 2).unflatten(-1, (num_kv_heads, head_dim)), None, eps)
+    return axial_rope(q, cos, sin).contiguous(), axial_rope(k, cos, sin).contiguous(), v.contiguous()
+
+
+def residual_rms_norm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    post_weight: torch.Tensor,
+    next_weight: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``h = residual + post_norm(x)`` (post_norm's output rounded to the hidden dtype first, as stock's
+    layer adds it) and ``y = next_norm(h)``, None without ``next_weight`` (the tower's last layer)."""
+    h = residual + rms_norm(x, post_weight, eps)
+    return h, None if next_weight is None else rms_norm(h, next_weight, eps)
+
+
+def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None = None) -> torch.Tensor:
+    """``Gemma4VisionMLP``'s ``act_fn(gate_proj(x)) * up_proj(x)`` on the (..., 2I) fused gate/up output
+    (gate first), with the clipped linears' clamps: rows 0 and 1 of ``clamps`` gate's and up's output
+    clamps, row 2 down_proj's input clamp."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    out = F.gelu(clipped(gate, clamps, 0), approximate="tanh") * clipped(up, clamps, 1)
+    return clipped(out, clamps, 2)

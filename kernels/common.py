@@ -86,3 +86,32 @@ def round_to(x, DTYPE: tl.constexpr):
         return round_to_bf16(x)
     else:
         return x.to(DTYPE)
+
+
+@triton.jit
+def clamp(x, low, high):
+    """torch.clamp(x, low, high) in fp32: max then min, NaN in x or a bound propagating as in PyTorch."""
+    x = tl.maximum(x, low, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(x, high, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def clamp_bounds(clamps_ptr, row, DTYPE: tl.constexpr):
+    """Row ``row`` of a (rows, 2) fp32 (min, max) table, rounded to DTYPE as torch.clamp casts its bounds."""
+    low = round_to(tl.load(clamps_ptr + 2 * row), DTYPE).to(tl.float32)
+    high = round_to(tl.load(clamps_ptr + 2 * row + 1), DTYPE).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def rms_inverse(sum_squares, size, eps):
+    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over ``size`` (an fp32) values:
+    the mean as torch's CPU mean (sum / size), the power correctly rounded (as torch's CPU pow(-0.5))."""
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_squares, size) + eps))
+
+
+def as_rows(tensor: torch.Tensor) -> torch.Tensor:
+    """A (..., D) tensor as (rows, D) with unit column stride, for the row kernels: a view where the
+    strides allow one, a copy otherwise."""
+    rows = tensor.reshape(-1, tensor.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()

@@ -70,3 +70,31 @@ def make_batch(grids, k, output_length, hidden, dtype, shuffle=False):
         ids = ids[:, torch.randperm(seq_len)]
     hidden_states = torch.randn(len(grids), seq_len, hidden).to(dtype)
     return hidden_states.to(DEVICE), ids.to(DEVICE), (ids == -1).all(-1).to(DEVICE)
+
+
+def assert_within(actual, expected, bound, what="output"):
+    """|actual - expected| <= bound elementwise (NaN where both are NaN), the worst elements named."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, what
+    error = (actual.double() - expected.double()).abs()
+    both_nan = actual.isnan() & expected.isnan()
+    over = ~both_nan & ~(error <= bound)
+    if over.any():
+        where = over.nonzero()[:5].tolist()
+        detail = "; ".join(
+            f"{tuple(i)}: {actual[tuple(i)].item():.7g} vs {expected[tuple(i)].item():.7g} "
+            f"(bound {bound[tuple(i)]:.3g})"
+            for i in where
+        )
+        raise AssertionError(f"{what}: {int(over.sum())} elements beyond the bound; first: {detail}")
+
+
+def exactly_summable(*shape, dtype, generator=None):
+    """Multiples of 1/8 in [-4, 4]: their squares sum exactly in fp32 over a few thousand values, in any
+    order, so a row norm's sum cannot depend on the reduction order."""
+    return (torch.randint(-32, 33, shape, generator=generator) / 8).to(DEVICE, dtype)
+
+
+def sum_order_error(size):
+    """A bound on the relative error of an RMS norm's output from summing ``size`` fp32 squares in another
+    order: each order is off by at most size * 2**-24 relative, and the -0.5 power halves it."""
+    return size * 2**-25

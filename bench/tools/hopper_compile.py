@@ -33,9 +33,12 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from fused_vision import reference
+from fused_vision.kernels import gelu_gate as gelu_gate_kernels
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
+from fused_vision.kernels import qkv_norm_rope as qkv_norm_rope_kernels
+from fused_vision.kernels import residual_rms_norm as residual_rms_norm_kernels
 from fused_vision.kernels.common import interpreting
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -51,6 +54,8 @@ POINTER_TYPES = {
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BATCH, PATCHES, HIDDEN, FEATURES, POSITIONS = 2, 63, 1152, 768, 64
 POOLER_KERNELS = ("_patch_slots_kernel", "_pool_by_positions_tuned")
+# The encoder layers' shapes: (hidden, heads, head_dim, intermediate) of the 1152- and 768-wide towers.
+LAYER_SHAPES = ((1152, 16, 72, 4304), (768, 12, 64, 3072))
 
 
 class Capture:
@@ -83,7 +88,7 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict, fp_fusion: bool | None
     values divisible by 16 are marked so; ``fp_fusion``: Triton's default, or forced on or off. Returns
     the compiled kernel and its ptxas -v log."""
     kwargs = dict(kwargs)
-    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages") if key in kwargs}
+    options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
     if fp_fusion is not None:
         options["enable_fp_fusion"] = fp_fusion
     values = dict(zip(kernel.arg_names, args)) | kwargs
@@ -147,6 +152,36 @@ def tuned_launches(dtype_label: str, configs: list[triton.Config]):
         yield variant, dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
 
 
+def layer_launches(dtype: torch.dtype):
+    """(kernel, variant, jit function, args, kwargs) of the encoder layer's kernels in ``dtype``."""
+    tokens = BATCH * PATCHES
+    clamps = torch.tensor([[-1.0, 1.0]] * 3)
+    ids = torch.randint(0, POSITIONS, (tokens, 2))
+    for hidden, heads, head_dim, intermediate in LAYER_SHAPES:
+        qkv = torch.randn(tokens, 3 * heads * head_dim).to(dtype)
+        weight, inv_freq = torch.ones(head_dim).to(dtype), torch.ones(head_dim // 4)
+        x = torch.randn(tokens, hidden).to(dtype)
+        norm_weight = torch.ones(hidden).to(dtype)
+        gate_up = torch.randn(tokens, 2 * intermediate).to(dtype)
+        for clipped in (None, clamps):
+            label = f"{name(dtype)}, d={head_dim}{', clamps' if clipped is not None else ''}"
+            call = lambda: qkv_norm_rope_kernels.qkv_norm_rope(  # noqa: E731
+                qkv, ids, weight, weight, inv_freq, heads, heads, 1e-6, clipped
+            )
+            ((args, kwargs),) = capture_launches(qkv_norm_rope_kernels, ("_qkv_norm_rope_kernel",), call)
+            yield "qkv_norm_rope", label, qkv_norm_rope_kernels._qkv_norm_rope_kernel, args, kwargs
+
+            label = f"{name(dtype)}, I={intermediate}{', clamps' if clipped is not None else ''}"
+            call = lambda: gelu_gate_kernels.gelu_gate(gate_up, clipped)  # noqa: E731
+            ((args, kwargs),) = capture_launches(gelu_gate_kernels, ("_gelu_gate_kernel",), call)
+            yield "gelu_gate", label, gelu_gate_kernels._gelu_gate_kernel, args, kwargs
+        for next_weight in (norm_weight, None):
+            label = f"{name(dtype)}, D={hidden}{'' if next_weight is not None else ', last layer'}"
+            call = lambda: residual_rms_norm_kernels.residual_rms_norm(x, x, norm_weight, next_weight, 1e-6)  # noqa: E731
+            ((args, kwargs),) = capture_launches(residual_rms_norm_kernels, ("_residual_rms_norm_kernel",), call)
+            yield "residual_rms_norm", label, residual_rms_norm_kernels._residual_rms_norm_kernel, args, kwargs
+
+
 def launches():
     """(kernel, variant, jit function, args, kwargs) for every kernel and GPU launch config."""
     torch.manual_seed(0)
@@ -169,6 +204,7 @@ def launches():
             kwargs,
         )
     for dtype in DTYPES:
+        yield from layer_launches(dtype)
         table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
         for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
             call = lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
@@ -243,7 +279,7 @@ def main() -> int:
             compiled, ptxas_log = compile_for_hopper(kernel, launch_args, launch_kwargs)
             registers, spills = ptxas_resources(ptxas_log)
             fmas = {}
-            if args.fp_fusion:
+            if args.fp_fusion and "enable_fp_fusion" not in launch_kwargs:  # a launch that sets it is exempt
                 # Built again with the other fp-fusion setting (Triton 3.10 turns it off by default): the
                 # results may not depend on it, so the fused multiply-adds must be the same.
                 fused = compiled.metadata.enable_fp_fusion

@@ -164,3 +164,24 @@ def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
         for grid in recorder.grids:
             beyond = [axis for axis, (size, limit) in enumerate(zip(grid, GRID_LIMITS)) if size > limit]
             assert not beyond, f"{kernel}: grid {grid} exceeds CUDA's limit on axes {beyond}"
+
+
+def test_layer_kernels_gpu_tiles(poisoned, monkeypatch):
+    """qkv_norm_rope, residual_rms_norm and gelu_gate at the tiles a GPU gets: partial token, row and column
+    tiles (d = 72 quarters of 18 in 32-wide blocks, D = 200, I = 200 over two 128-column tiles)."""
+    from fused_vision.kernels import gelu_gate, qkv_norm_rope, residual_rms_norm
+
+    for module in (gelu_gate, qkv_norm_rope, residual_rms_norm):
+        monkeypatch.setattr(module, "interpreting", lambda: False)
+    qkv = torch.randn(45, 4 * 72, dtype=torch.float16)
+    ids, weight, inv_freq = torch.randint(0, 30, (45, 2)), torch.randn(72, dtype=torch.float16), torch.rand(18)
+    actual = fused_vision.qkv_norm_rope(qkv, ids, weight, weight, inv_freq, 2, 1, backend="triton")
+    expected = reference.qkv_norm_rope(qkv, ids, weight, weight, inv_freq, 2, 1)
+    for a, e in zip(actual, expected):
+        assert_close(a, e, atol=2e-3, rtol=2**-10)
+    x, residual, norm_weight = torch.randn(37, 200), torch.randn(37, 200), torch.randn(200)
+    actual = fused_vision.residual_rms_norm(x, residual, norm_weight, norm_weight, backend="triton")
+    for a, e in zip(actual, reference.residual_rms_norm(x, residual, norm_weight, norm_weight)):
+        assert_close(a, e, atol=1e-5, rtol=1e-5)
+    gate_up = 3 * torch.randn(37, 400)
+    assert_close(fused_vision.gelu_gate(gate_up, backend="triton"), reference.gelu_gate(gate_up), atol=1e-5, rtol=1e-5)

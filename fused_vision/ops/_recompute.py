@@ -1,0 +1,25 @@
+"""Backward by recomputation: the gradients of autograd through an op's PyTorch reference, for the ops whose
+backward has no kernel yet. The reference is stock's formulation, so these are stock autograd's gradients,
+rounding included."""
+
+import torch
+
+
+def reference_grads(reference_fn, ctx, inputs: tuple, grad_outputs: tuple) -> tuple:
+    """The gradients of ``reference_fn(*inputs)``'s outputs (a tuple, entries may be None) against ``inputs``
+    (None where ``ctx.needs_input_grad`` says none is needed), given ``grad_outputs``. Differentiable in turn
+    when autograd asks for a graph (double backward)."""
+    create_graph = torch.is_grad_enabled()
+    wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad)]
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() if want and not t.requires_grad else t for t, want in zip(inputs, wanted)]
+        pairs = [(o, g) for o, g in zip(reference_fn(*leaves), grad_outputs) if o is not None and g is not None]
+        found = torch.autograd.grad(
+            [o for o, _ in pairs],
+            [t for t, want in zip(leaves, wanted) if want],
+            [g for _, g in pairs],
+            allow_unused=True,
+            create_graph=create_graph,
+        )
+    found = iter(found)
+    return tuple(next(found) if want else None for want in wanted)
