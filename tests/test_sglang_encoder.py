@@ -1,7 +1,11 @@
 """fused_vision.sglang inside SGLang's own ``Gemma4VisionEncoder``, built as its model builds it: its
 tensor-parallel layers at world size 1 and the attention backend SGLang picks on a CPU (SDPA).
+
+Also what SGLang's attention does with padding patches, which the patch does not touch: the backends
+that drop the padding mask (Triton here, under Triton's interpreter) attend padding keys.
 """
 
+import inspect
 import sys
 
 import pytest
@@ -138,3 +142,52 @@ def test_apply_errors_name_the_problem(monkeypatch):
     monkeypatch.setitem(sys.modules, fs.SGLANG_MODULE, None)
     with pytest.raises(ImportError, match="needs SGLang with Gemma 4"):
         apply_fused_vision_to_sglang_gemma4()
+
+
+# ---- SGLang's attention and padding keys (SGLang's behaviour, not the patch's) -----------------------------
+
+
+def test_only_the_sdpa_and_ascend_backends_take_the_padding_mask():
+    """``Gemma4VisionAttention.forward`` hands every backend cu_seqlens=None (each item one sequence of
+    the padded length) and the mask as a keyword: FA3, FA4, Triton, aiter and XPU take it into **kwargs."""
+    source = inspect.getsource(vision.Gemma4VisionAttention.forward)
+    assert "cu_seqlens=None" in source and "attention_mask=attn_mask_4d" in source
+    takes_mask = {
+        name
+        for name, cls in attention_backends.items()
+        if "attention_mask" in inspect.signature(cls.forward).parameters
+    }
+    assert takes_mask == {"sdpa", "ascend_attn"}
+
+
+def real_patch_states(backend, pixels, ids):
+    """The hidden states SGLang's own encoder, built with this attention backend, hands its pooler."""
+    with runtime.get_mm().override(mm_attention_backend=backend):
+        encoder = make_encoder(torch.float32)
+    assert type(encoder.encoder.layers[0].self_attn.qkv_backend) is attention_backends[backend]
+    captured = []
+    encoder.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
+    with torch.no_grad():
+        encoder(pixels, ids)
+    return captured[0]
+
+
+def test_padding_keys_are_attended_where_the_backend_drops_the_mask():
+    """Two runs that differ only in the padding patches' pixels. Under SGLang's SDPA backend no real
+    patch's hidden state moves; under its Triton backend (its kernel under Triton's interpreter) every
+    padded item's real patches do: they attend its padding keys. The unpadded item is the control, on
+    which the two backends agree."""
+    pixels, ids, padding = inputs(grids=[(9, 9), (9, 6), (6, 3), (3, 12)])
+    assert not padding[0].any() and padding[1:].any(-1).all()
+    runs = {"original": pixels, "repainted": pixels.masked_fill(padding.unsqueeze(-1), 0.7)}
+    states = {(b, run): real_patch_states(b, p, ids) for b in ("sdpa", "triton_attn") for run, p in runs.items()}
+
+    def largest(difference):  # per item, over its real patches
+        return difference.abs().masked_fill(padding.unsqueeze(-1), 0).amax(dim=(1, 2))
+
+    sdpa_moved = largest(states["sdpa", "repainted"] - states["sdpa", "original"])
+    triton_moved = largest(states["triton_attn", "repainted"] - states["triton_attn", "original"])
+    apart = largest(states["triton_attn", "original"] - states["sdpa", "original"])
+    assert_bit_identical(sdpa_moved, torch.zeros(4), "real patches under SDPA, padding repainted")
+    assert triton_moved[0] == 0 and (triton_moved[1:] > 1e-2).all(), triton_moved
+    assert apart[0] < 1e-5 and (apart[1:] > 1e-2).all(), apart
