@@ -1,0 +1,193 @@
+"""fused_vision.sglang inside SGLang's own ``Gemma4VisionEncoder``, built as its model builds it: its
+tensor-parallel layers at world size 1 and the attention backend SGLang picks on a CPU (SDPA).
+
+Also what SGLang's attention does with padding patches, which the patch does not touch: the backends
+that drop the padding mask (Triton here, under Triton's interpreter) attend padding keys.
+"""
+
+import inspect
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import fused_vision.sglang as fs
+from fused_vision.gemma4 import apply_fused_vision_to_gemma4
+from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+
+from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from sglang_towers import (
+    embedding_gemma2,
+    float64_twin,
+    forbid_one_hot,
+    inputs,
+    make_encoder,
+    runtime,
+    single_process_world,
+    vision,
+)
+
+attention_backends = vision.QKV_BACKEND_IMPL  # what Gemma4VisionAttention builds its backend from
+
+
+@pytest.fixture(scope="module", autouse=True)
+def sglang_world(tmp_path_factory):
+    with single_process_world(tmp_path_factory.mktemp("sglang") / "process_group"):
+        yield
+
+
+@pytest.fixture(autouse=True)
+def stock_after_each_test():
+    yield
+    revert_fused_vision_sglang_gemma4()
+
+
+def test_the_encoder_under_test_is_sglangs_real_tower():
+    encoder = make_encoder(torch.float32)
+    assert runtime.get_parallel().attn_tp_size == runtime.get_parallel().tp_size == 1
+    (layer,) = encoder.encoder.layers
+    assert type(layer.self_attn) is vision.Gemma4VisionAttention
+    assert type(layer.self_attn.qkv_backend) is attention_backends["sdpa"]  # SGLang's choice off CUDA and ROCm
+    linears = [m for m in encoder.modules() if type(m).__module__ == "sglang.srt.layers.linear"]
+    assert len(linears) == 4 and all(m.tp_group is runtime.get_parallel().tp_group for m in linears)
+    assert runtime.get_parallel().tp_group.world_size == 1
+
+
+def assert_soft_tokens_match_stock(fused, mask, stock, stock_mask, exact, what):
+    """An encoder's (soft tokens, mask) against stock's: the mask bit for bit, the tokens stock's in fp32
+    and no less accurate than stock's against the float64 twin's."""
+    assert_bit_identical(mask, stock_mask, f"{what}: pooler mask")
+    if stock.dtype == torch.float32:
+        assert_close(fused, stock, rtol=1e-5, atol=1e-5, what=what)
+    floor = 16 * 2**-24 if stock.dtype == torch.float32 else 2**-8
+    assert_as_accurate_as_stock(fused, stock, exact, floor=floor, ords=(2, float("inf")), what=what)
+
+
+@pytest.mark.parametrize("standardize", [False, True], ids=["plain", "standardize"])
+@pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_encoder_forward_matches_stock_without_a_one_hot(monkeypatch, dtype, mask_first, standardize, poisoned):
+    """SGLang's own ``Gemma4VisionEncoder.forward`` with both modules patched at the class: no F.one_hot
+    runs, and the soft tokens are stock's (fp32) and no less accurate than stock's against float64."""
+    encoder = make_encoder(dtype, mask_first=mask_first, standardize=standardize)
+    pixels, ids, _ = inputs(dtype)
+    with torch.no_grad():
+        stock, stock_mask = encoder(pixels, ids)
+        exact, _ = float64_twin(encoder)(pixels.double(), ids)
+        assert apply_fused_vision_to_sglang_gemma4() == 3
+        assert "fused_vision=patch_embed(backend=auto)" in repr(encoder.patch_embedder)
+        forbid_one_hot(monkeypatch)
+        fused, mask = encoder(pixels, ids)
+    assert_soft_tokens_match_stock(fused, mask, stock, stock_mask, exact, "SGLang soft tokens")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_embedding_gemma2_encoder_matches_stock_without_a_one_hot(monkeypatch, dtype, poisoned):
+    """SGLang's EmbeddingGemma2Model builds Gemma4VisionEncoder and swaps in its own pooler: patched at
+    the class, and then at the instance, its tower runs no F.one_hot and gives stock's soft tokens."""
+    encoder = make_encoder(dtype)
+    encoder.pooler = embedding_gemma2.EmbeddingGemma2VisionPooler(encoder.config)  # as EmbeddingGemma2Model does
+    pixels, ids, _ = inputs(dtype)
+    with torch.no_grad():
+        stock, stock_mask = encoder(pixels, ids)
+        exact, _ = float64_twin(encoder)(pixels.double(), ids)
+        results = {}
+        assert apply_fused_vision_to_sglang_gemma4() == 3
+        with monkeypatch.context() as patch:
+            forbid_one_hot(patch)
+            results["class patch"] = encoder(pixels, ids)
+        revert_fused_vision_sglang_gemma4()
+        assert apply_fused_vision_to_sglang_gemma4(encoder) == 2
+        assert "fused_vision=pool_by_positions(backend=auto)" in repr(encoder.pooler)
+        forbid_one_hot(monkeypatch)
+        results["instance patch"] = encoder(pixels, ids)
+    for how, (fused, mask) in results.items():
+        assert_soft_tokens_match_stock(fused, mask, stock, stock_mask, exact, f"{how}: EmbeddingGemma2 soft tokens")
+
+
+# ---- patching: instances, revert, errors -------------------------------------------------------------------
+
+
+def test_instance_patch_and_revert():
+    encoder = make_encoder(torch.float32)
+    pixels, ids, _ = inputs()
+    with torch.no_grad():
+        stock, _ = encoder(pixels, ids)
+    assert apply_fused_vision_to_sglang_gemma4(encoder, backend="reference") == 2
+    assert apply_fused_vision_to_sglang_gemma4(encoder, backend="reference") == 2  # idempotent
+    assert "fused_vision=pool_by_positions(backend=reference)" in repr(encoder.pooler)
+    other = make_encoder(torch.float32)
+    assert getattr(other.patch_embedder, "_fused_vision", None) is None  # the instance patch stays its own
+    assert revert_fused_vision_sglang_gemma4(encoder) == 2
+    assert "fused_vision" not in repr(encoder)
+    with torch.no_grad():
+        assert_bit_identical(encoder(pixels, ids)[0], stock, "reverted encoder")
+
+
+def test_apply_errors_name_the_problem(monkeypatch):
+    encoder = make_encoder(torch.float32)
+    with pytest.raises(ValueError, match="nothing selected"):
+        apply_fused_vision_to_sglang_gemma4(embedder=None, pooler=False)
+    with pytest.raises(ValueError, match="backend"):
+        apply_fused_vision_to_sglang_gemma4(backend="cuda")
+    with pytest.raises(TypeError, match="Module"):
+        apply_fused_vision_to_sglang_gemma4("encoder")
+    wanted = "Gemma4VisionPatchEmbedder, Gemma4VisionPooler or EmbeddingGemma2VisionPooler"
+    with pytest.raises(ValueError, match=f"contains no {wanted}, so .*for transformers"):
+        apply_fused_vision_to_sglang_gemma4(nn.Linear(2, 2))
+    # transformers' patch, handed SGLang's tower, points to this one
+    with pytest.raises(ValueError, match="SGLang model.*apply_fused_vision_to_sglang_gemma4"):
+        apply_fused_vision_to_gemma4(encoder)
+    monkeypatch.setitem(sys.modules, fs.SGLANG_MODULE, None)
+    with pytest.raises(ImportError, match="needs SGLang with Gemma 4"):
+        apply_fused_vision_to_sglang_gemma4()
+
+
+# ---- SGLang's attention and padding keys (SGLang's behaviour, not the patch's) -----------------------------
+
+
+def test_only_the_sdpa_and_ascend_backends_take_the_padding_mask():
+    """``Gemma4VisionAttention.forward`` hands every backend cu_seqlens=None (each item one sequence of
+    the padded length) and the mask as a keyword: FA3, FA4, Triton, aiter and XPU take it into **kwargs."""
+    source = inspect.getsource(vision.Gemma4VisionAttention.forward)
+    assert "cu_seqlens=None" in source and "attention_mask=attn_mask_4d" in source
+    takes_mask = {
+        name
+        for name, cls in attention_backends.items()
+        if "attention_mask" in inspect.signature(cls.forward).parameters
+    }
+    assert takes_mask == {"sdpa", "ascend_attn"}
+
+
+def real_patch_states(backend, pixels, ids):
+    """The hidden states SGLang's own encoder, built with this attention backend, hands its pooler."""
+    with runtime.get_mm().override(mm_attention_backend=backend):
+        encoder = make_encoder(torch.float32)
+    assert type(encoder.encoder.layers[0].self_attn.qkv_backend) is attention_backends[backend]
+    captured = []
+    encoder.encoder.register_forward_hook(lambda module, args, output: captured.append(output))
+    with torch.no_grad():
+        encoder(pixels, ids)
+    return captured[0]
+
+
+def test_padding_keys_are_attended_where_the_backend_drops_the_mask():
+    """Two runs that differ only in the padding patches' pixels. Under SGLang's SDPA backend no real
+    patch's hidden state moves; under its Triton backend (its kernel under Triton's interpreter) every
+    padded item's real patches do: they attend its padding keys. The unpadded item is the control, on
+    which the two backends agree."""
+    pixels, ids, padding = inputs(grids=[(9, 9), (9, 6), (6, 3), (3, 12)])
+    assert not padding[0].any() and padding[1:].any(-1).all()
+    runs = {"original": pixels, "repainted": pixels.masked_fill(padding.unsqueeze(-1), 0.7)}
+    states = {(b, run): real_patch_states(b, p, ids) for b in ("sdpa", "triton_attn") for run, p in runs.items()}
+
+    def largest(difference):  # per item, over its real patches
+        return difference.abs().masked_fill(padding.unsqueeze(-1), 0).amax(dim=(1, 2))
+
+    sdpa_moved = largest(states["sdpa", "repainted"] - states["sdpa", "original"])
+    triton_moved = largest(states["triton_attn", "repainted"] - states["triton_attn", "original"])
+    apart = largest(states["triton_attn", "original"] - states["sdpa", "original"])
+    assert_bit_identical(sdpa_moved, torch.zeros(4), "real patches under SDPA, padding repainted")
+    assert triton_moved[0] == 0 and (triton_moved[1:] > 1e-2).all(), triton_moved
+    assert apart[0] < 1e-5 and (apart[1:] > 1e-2).all(), apart
