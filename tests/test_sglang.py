@@ -127,6 +127,38 @@ def test_pooler_matches_stock(dtype, mask_first, poisoned):
         assert ulps_apart(fused[filled], stock[filled]) <= 2
 
 
+# Batches of (hidden states, ids, padding) that stock broadcasts to the items: a batch of one among them.
+BROADCASTS = {"ids_of_one": (3, 1, 1), "padding_of_one": (3, 3, 1), "hidden_of_one": (1, 3, 3)}
+
+
+@pytest.mark.parametrize("batches", BROADCASTS.values(), ids=BROADCASTS)
+@pytest.mark.parametrize(
+    "make_pooler",
+    [
+        lambda: vision.Gemma4VisionPooler(config()),
+        lambda: vision.Gemma4VisionPooler(config(), True),
+        lambda: EmbeddingPooler(config()),
+    ],
+    ids=["gemma4_mm", "mask_pad_before_pool", "embedding_gemma2"],
+)
+def test_poolers_broadcast_a_batch_of_one_as_stock(monkeypatch, make_pooler, batches):
+    """The fused pool runs on the rows stock broadcasts (a test spies on it), with stock's shapes: pooled
+    over the broadcast batch, the mask a row per item of the ids."""
+    pooler = make_pooler()
+    hidden, ids, padding = (t[:batch] for t, batch in zip(pooler_inputs(torch.float32), batches))
+    length = SEQ_LEN // POOLING**2
+    with torch.no_grad():
+        stock, stock_mask = pooler(hidden, ids, padding, output_length=length)
+        apply_fused_vision_to_sglang_gemma4(pooler, embedder=None)
+        calls, op = [], fs._fused_pool_by_positions
+        monkeypatch.setattr(fs, "_fused_pool_by_positions", lambda *a, **k: calls.append(a[0].shape) or op(*a, **k))
+        fused, mask = pooler(hidden, ids, padding, output_length=length)
+    assert calls == [(len(GRIDS), SEQ_LEN, HIDDEN)], "the fused pool did not run on the broadcast rows"
+    assert fused.shape == stock.shape
+    assert_bit_identical(mask, stock_mask, "mask")
+    assert_close(fused, stock, rtol=1e-6, atol=1e-6, what="pooled")
+
+
 def test_pooler_leaves_the_unpooled_path_and_errors_to_stock():
     pooler = vision.Gemma4VisionPooler(config())
     _, ids, padding = inputs()
