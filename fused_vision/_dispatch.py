@@ -150,12 +150,13 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
     if requested == "triton":
         raise RuntimeError(f"{_named(backend)}: fused_vision.{op} has {missing}; use backend='reference'")
     if requested == "auto":
-        _warn_once(f"fused_vision.{op}: {runs}")
+        warn_once(f"fused_vision.{op}: {runs}")
     return True
 
 
 @functools.cache
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """A RuntimeWarning once per message, for the fallbacks here and the integrations' missing pieces."""
     warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 

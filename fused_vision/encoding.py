@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import gemma4
+from . import gemma4, planner
 
 __all__ = ["encode_images"]
 
@@ -106,6 +106,18 @@ def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Ten
     return "onehot" if any(gemma4.embedder_runs_stock(embedder, p, i) for p, i in items) else "fused"
 
 
+def planner_attention(vision_config) -> str | None:
+    """The attention implementation ``fused_vision.planner`` prices for a tower's config, or None where the
+    config names none (the planner's default then applies)."""
+    attention = getattr(vision_config, "_attn_implementation", None)
+    if not isinstance(attention, str):
+        return None
+    # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
+    # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
+    attention = attention.removeprefix("paged|")
+    return attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"
+
+
 def _plan_chunk(
     num_items: int,
     patches_per_item: int,
@@ -115,16 +127,7 @@ def _plan_chunk(
     dtype: torch.dtype,
     input_bytes_per_item: int,
 ) -> int:
-    """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
-    from . import planner
-
-    options = {}
-    attention = getattr(tower.config, "_attn_implementation", None)
-    if isinstance(attention, str):
-        # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
-        # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
-        attention = attention.removeprefix("paged|")
-        options["attn_implementation"] = attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"
+    """Items per encoder call, from ``fused_vision.planner``."""
     return planner.plan(
         num_items,
         patches_per_item,
@@ -132,8 +135,8 @@ def _plan_chunk(
         path=path,
         device=device,
         dtype=dtype,
+        attn_implementation=planner_attention(tower.config),
         extra_bytes_per_item=input_bytes_per_item,
-        **options,
     )
 
 
@@ -246,7 +249,7 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch) -> list[t
             if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
                 shrunk.append(chunk)
                 chunk //= 2
-                _empty_cache(device)
+                empty_cache(device)
                 continue
             for index, tokens in zip(selected, encoded):
                 outputs[index] = tokens
@@ -277,7 +280,7 @@ def _encode_or_none(tower, pixel_values, pixel_position_ids, pixels, ids, select
         return None
 
 
-def _empty_cache(device: torch.device) -> None:
+def empty_cache(device: torch.device) -> None:
     """Hand the caching allocator's free blocks back, so the smaller chunk does not meet the same fragments."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
