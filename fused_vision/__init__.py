@@ -9,6 +9,7 @@ from .ops.patch_embed import patch_embed
 from .ops.pool_by_positions import pool_by_positions
 from .ops.position_embeddings import position_embeddings
 from .sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+from .vllm import apply_fused_vision_to_vllm_gemma4, revert_fused_vision_vllm_gemma4
 
 try:
     __version__ = _version("fused-vision")
@@ -18,11 +19,13 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "apply_fused_vision_to_gemma4",
     "apply_fused_vision_to_sglang_gemma4",
+    "apply_fused_vision_to_vllm_gemma4",
     "encode_images",
     "patch_embed",
     "pool_by_positions",
     "position_embeddings",
     "revert_fused_vision_gemma4",
     "revert_fused_vision_sglang_gemma4",
+    "revert_fused_vision_vllm_gemma4",
     "__version__",
 ]
