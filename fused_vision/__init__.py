@@ -12,6 +12,7 @@ from .ops.position_embeddings import position_embeddings
 from .ops.qkv_norm_rope import qkv_norm_rope
 from .ops.residual_rms_norm import residual_rms_norm
 from .sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+from .vllm import apply_fused_vision_to_vllm_gemma4, revert_fused_vision_vllm_gemma4
 
 try:
     __version__ = _version("fused-vision")
@@ -21,6 +22,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
 __all__ = [
     "apply_fused_vision_to_gemma4",
     "apply_fused_vision_to_sglang_gemma4",
+    "apply_fused_vision_to_vllm_gemma4",
     "encode_images",
     "gelu_gate",
     "patch_embed",
@@ -30,5 +32,6 @@ __all__ = [
     "residual_rms_norm",
     "revert_fused_vision_gemma4",
     "revert_fused_vision_sglang_gemma4",
+    "revert_fused_vision_vllm_gemma4",
     "__version__",
 ]

@@ -150,13 +150,19 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
     if requested == "triton":
         raise RuntimeError(f"{_named(backend)}: fused_vision.{op} has {missing}; use backend='reference'")
     if requested == "auto":
-        _warn_once(f"fused_vision.{op}: {runs}")
+        warn_once(f"fused_vision.{op}: {runs}")
     return True
 
 
-@functools.cache
-def _warn_once(message: str) -> None:
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+_WARNED: set[str] = set()
+
+
+def warn_once(message: str, stacklevel: int = 3) -> None:
+    """A RuntimeWarning once per process and message, for every fallback and integration's missing piece;
+    ``stacklevel`` counts from the caller of ``warn_once`` (3: the caller of the public function calling it)."""
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:

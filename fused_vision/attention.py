@@ -22,10 +22,11 @@ import functools
 import importlib
 import sys
 import threading
-import warnings
 
 import torch
 import torch.nn.functional as F
+
+from ._dispatch import warn_once
 
 __all__ = ["PACKED_ATTENTION", "SUPPORTED_ATTENTION", "attention_path", "configured_attention", "varlen_attention"]
 
@@ -80,18 +81,10 @@ def attention_path(query: torch.Tensor, dropout: float = 0.0) -> str:
         if _torch_varlen() is not None and dropout == 0.0:
             return "torch_varlen"
     if query.device.type == "cuda":
-        warn_once(f"packed encoder: no varlen kernel for {query.dtype}, head_dim {query.shape[-1]}: attention per item")
+        warn_once(
+            f"packed encoder: no varlen kernel for {query.dtype}, head_dim {query.shape[-1]}: attention per item", 2
+        )
     return "sdpa"
-
-
-_WARNED: set[str] = set()
-
-
-def warn_once(message: str, stacklevel: int = 3) -> None:
-    """A ``RuntimeWarning`` for a fallback, once per process and message."""
-    if message not in _WARNED:
-        _WARNED.add(message)
-        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def varlen_attention(query, key, value, cu_seqlens, lengths, max_seqlen, *, scale, dropout=0.0, path=None):

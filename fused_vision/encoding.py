@@ -19,8 +19,9 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import gemma4, packed
-from .attention import configured_attention, warn_once
+from . import gemma4, packed, planner
+from ._dispatch import warn_once
+from .attention import configured_attention
 
 __all__ = ["encode_images"]
 
@@ -107,6 +108,17 @@ def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Ten
     return "onehot" if any(gemma4.embedder_runs_stock(embedder, p, i) for p, i in items) else "fused"
 
 
+def planner_attention(vision_config) -> str | None:
+    """The attention implementation ``fused_vision.planner`` prices for a tower's config, or None where the
+    config names none (the planner's default then applies)."""
+    # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
+    # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
+    attention = configured_attention(vision_config)
+    if not isinstance(attention, str):
+        return None
+    return attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"
+
+
 def _plan_chunk(
     num_items: int,
     patches_per_item: int,
@@ -116,9 +128,7 @@ def _plan_chunk(
     dtype: torch.dtype,
     input_bytes_per_item: int,
 ) -> int:
-    """Items per encoder call, from ``fused_vision.planner`` (looked up at call time)."""
-    from . import planner
-
+    """Items per encoder call, from ``fused_vision.planner``."""
     return planner.plan(
         num_items,
         patches_per_item,
@@ -126,21 +136,9 @@ def _plan_chunk(
         path=path,
         device=device,
         dtype=dtype,
+        attn_implementation=planner_attention(tower.config),
         extra_bytes_per_item=input_bytes_per_item,
-        **_planner_attention(tower),
     )
-
-
-def _planner_attention(tower: nn.Module) -> dict:
-    """The planner's ``attn_implementation`` for the tower's: it prices sdpa and eager. transformers' paged
-    variants compute as their base kernels do (paged eager holds eager's (N, N) scores); the flash-style
-    kernels hold none: priced as sdpa."""
-    from . import planner
-
-    attention = configured_attention(tower.config)
-    if attention is None:
-        return {}
-    return {"attn_implementation": attention if attention in planner.ATTENTION_IMPLEMENTATIONS else "sdpa"}
 
 
 def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> list[torch.Tensor]:
@@ -226,7 +224,7 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_en
         warn_once(
             f"encode_images: the packed encoder does not replace {tower.config._attn_implementation!r} "
             "attention; the padded path runs",
-            stacklevel=4,
+            stacklevel=3,
         )
     elif packed_encoder:
         return _encode_packed(tower, pixels, ids, max_batch, device, dtype)
@@ -255,7 +253,7 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_en
             if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
                 shrunk.append(chunk)
                 chunk //= 2
-                _empty_cache(device)
+                empty_cache(device)
                 continue
             for index, tokens in zip(selected, encoded):
                 outputs[index] = tokens
@@ -306,8 +304,6 @@ def _real_patches(tower, pixels, ids) -> list[int]:
 
 def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.Tensor]:
     """Packed calls filled in input order up to the planner's token budget; halved on out-of-memory."""
-    from . import planner
-
     if not pixels:
         return []
     real = _real_patches(tower, pixels, ids)
@@ -321,7 +317,7 @@ def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.T
         device=device,
         dtype=dtype,
         extra_bytes_per_patch=input_bytes,
-        **_planner_attention(tower),
+        attn_implementation=planner_attention(tower.config),
     )
     cap = len(pixels) if max_batch is None else max_batch
     outputs: list[torch.Tensor | None] = [None] * len(pixels)
@@ -344,7 +340,7 @@ def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.T
         if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
             shrunk.append(end - start)
             cap = (end - start) // 2
-            _empty_cache(device)
+            empty_cache(device)
             continue
         outputs[start:end] = encoded
         start = end
@@ -374,7 +370,7 @@ def _encode_or_none(tower, pixel_values, pixel_position_ids, pixels, ids, select
         return None
 
 
-def _empty_cache(device: torch.device) -> None:
+def empty_cache(device: torch.device) -> None:
     """Hand the caching allocator's free blocks back, so the smaller chunk does not meet the same fragments."""
     if device.type == "cuda":
         torch.cuda.empty_cache()

@@ -1,4 +1,4 @@
-"""fused_vision inside transformers' Gemma 4 vision tower: a one-line patcher and vLLM's plugin.
+"""fused_vision inside transformers' Gemma 4 vision tower: a one-line patcher.
 
     from fused_vision.gemma4 import apply_fused_vision_to_gemma4
 
@@ -13,7 +13,8 @@ its family's semantics: the lookup is bit-identical, the pooler equal up to fp32
 A patched module runs stock code whenever the fused op cannot take its inputs or would round
 differently (float64; a quantized or hooked ``input_proj`` or autocast keep the embedder to the fused
 lookup alone; the pooler under autocast is stock). The ops are differentiable, so a patched tower
-trains with stock's gradients. SGLang's tower reuses the embedder's forwards (``fused_vision.sglang``).
+trains with stock's gradients. SGLang's tower reuses the embedder's forwards (``fused_vision.sglang``);
+vLLM's plugin is ``fused_vision.vllm``.
 """
 
 from __future__ import annotations
@@ -21,8 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import logging
-import os
 from collections.abc import Sequence
 
 import torch
@@ -35,9 +34,7 @@ from .ops.patch_embed import patch_embed as _fused_patch_embed
 from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 from .ops.position_embeddings import position_embeddings as _fused_position_embeddings
 
-__all__ = ["EMBEDDER_OPS", "ENCODERS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4", "vllm_plugin"]
-
-logger = logging.getLogger("fused_vision")
+__all__ = ["EMBEDDER_OPS", "ENCODERS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4"]
 
 # What ``embedder=`` takes: the whole embedder in one kernel, or the lookup alone inside the stock one.
 EMBEDDER_OPS = ("patch_embed", "position_embeddings")
@@ -384,18 +381,3 @@ def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
     patched; returns the number of its modules that were running a fused op.
     """
     return patching.revert(model, _is_transformers_class)
-
-
-ENV_VLLM = "FUSED_VISION_VLLM"
-
-
-def vllm_plugin() -> None:
-    """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
-    process it starts, its model workers included, where a class patch made in the launching script
-    does not reach. Opt-in: patches transformers' Gemma 4 classes only when FUSED_VISION_VLLM=1."""
-    if os.environ.get(ENV_VLLM) != "1":
-        return
-    try:
-        apply_fused_vision_to_gemma4()
-    except ImportError as exc:  # vLLM runs its plugins unguarded: a raise here would stop every process
-        logger.warning("fused_vision: %s=1 but Gemma 4 cannot be patched here (%s)", ENV_VLLM, exc)

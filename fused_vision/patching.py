@@ -13,6 +13,7 @@ as any module; unpickled in a fresh process, it runs stock code until patched th
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import logging
 import types
 import weakref
@@ -20,7 +21,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["MISSING", "Target", "fused_state", "patch", "revert", "stock_attribute", "stock_method"]
+__all__ = ["MISSING", "InstanceMethod", "Target", "fused_state", "patch", "revert", "stock_attribute", "stock_method"]
 
 logger = logging.getLogger("fused_vision")
 
@@ -41,12 +42,27 @@ _PATCHED_INSTANCES: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 @dataclasses.dataclass(frozen=True)
 class Target:
-    """A class to patch: ``methods`` maps a method name (one the class defines) to ours; ``state`` is what
-    they read from the module, shown in its repr."""
+    """A class to patch: ``methods`` maps a method name (one the class defines) to ours, a function or an
+    ``InstanceMethod``; ``state`` is what they read from the module, shown in its repr."""
 
     cls: type
     methods: dict[str, Callable]
     state: object
+
+
+@dataclasses.dataclass(frozen=True)
+class InstanceMethod:
+    """A method of ours that only calls through an instance reach. Looked up on the class itself, it is the
+    class's stock attribute: a staticmethod called as ``cls.name(...)`` (a library's own tests) or copied
+    from the class into another (``Other.name = cls.name``) stays stock."""
+
+    function: Callable
+    stock: object = MISSING  # the class's attribute before the patch, set when installed
+
+    def __get__(self, instance, owner=None):
+        if instance is None:
+            return self.stock.__get__(None, owner)
+        return types.MethodType(self.function, instance)
 
 
 def _stock_slot(name: str) -> str:
@@ -72,7 +88,10 @@ def stock_method(module: nn.Module, name: str):
     """The module's stock method ``name``, bound: kept on its class while ours is installed there, else the
     class's own (a forward of ours saved before a revert, e.g. in accelerate's ``_old_forward``, still works)."""
     stock = getattr(module, _stock_slot(name), None)
-    return stock if stock is not None else types.MethodType(getattr(type(module), name), module)
+    if stock is not None:
+        return stock
+    # Bound as the class binds it (a staticmethod takes no self), skipping any attribute of the instance's own.
+    return inspect.getattr_static(type(module), name).__get__(module, type(module))
 
 
 def _extra_repr(self) -> str:
@@ -100,6 +119,8 @@ def _install_methods(cls: type, methods: dict[str, Callable]) -> None:
     for name, method in methods.items():
         stock = stock_attribute(cls, name)
         if stock is not MISSING:
+            if isinstance(method, InstanceMethod):
+                method = dataclasses.replace(method, stock=stock)
             values |= {name: method, _stock_slot(name): stock}
     _set_class_attributes(cls, values)
 

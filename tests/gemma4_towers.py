@@ -75,6 +75,21 @@ def run_tower(tower, pixels, ids):
         return tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
 
 
+def out_of_memory_above(monkeypatch, encoder, limit):
+    """The encoder raises torch.OutOfMemoryError on chunks of more than ``limit`` items; returns the
+    chunk sizes it was called with."""
+    sizes, forward = [], encoder.forward
+
+    def limited(*args, inputs_embeds, **kwargs):
+        sizes.append(inputs_embeds.shape[0])
+        if inputs_embeds.shape[0] > limit:
+            raise torch.OutOfMemoryError(f"injected: {inputs_embeds.shape[0]} items")
+        return forward(*args, inputs_embeds=inputs_embeds, **kwargs)
+
+    monkeypatch.setattr(encoder, "forward", limited)
+    return sizes
+
+
 def float64_twin(tower):
     """The same tower in float64, unpatched: the exact result that stock and fused are judged against."""
     return copy.deepcopy(tower).double()
@@ -100,11 +115,15 @@ TINY_TEXT = dict(
 )
 
 
-def tiny_conditional_generation():
+def gemma4_config(vision=None):
+    """A tiny Gemma4Config: TINY_TEXT's language model, ``vision`` (default ``vision_config()``), no audio."""
     text = dict(TINY_TEXT, vocab_size_per_layer_input=128, num_global_key_value_heads=1, global_head_dim=16)
-    vision = vision_config().to_dict()
-    config = modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
-    return modeling.Gemma4ForConditionalGeneration(config).eval()
+    vision = (vision or vision_config()).to_dict()
+    return modeling.Gemma4Config(text_config=text, vision_config=vision, audio_config=None)
+
+
+def tiny_conditional_generation():
+    return modeling.Gemma4ForConditionalGeneration(gemma4_config()).eval()
 
 
 def fused_ops(model):

@@ -29,6 +29,7 @@ from gemma4_towers import (
     make_inputs,
     make_tower,
     modeling,
+    out_of_memory_above,
     processor_batch,
     randomize,
     run_tower,
@@ -117,21 +118,6 @@ def test_encode_images_list_of_mixed_sizes(planner_calls):
     assert sorted(planner_calls) == [(2, SEQ_LEN, torch.float32), (3, 16, torch.float32)]
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):
         assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
-
-
-def out_of_memory_above(monkeypatch, encoder, limit):
-    """The encoder raises torch.OutOfMemoryError on chunks of more than ``limit`` items; returns the
-    chunk sizes it was called with."""
-    sizes, forward = [], encoder.forward
-
-    def limited(*args, inputs_embeds, **kwargs):
-        sizes.append(inputs_embeds.shape[0])
-        if inputs_embeds.shape[0] > limit:
-            raise torch.OutOfMemoryError(f"injected: {inputs_embeds.shape[0]} items")
-        return forward(*args, inputs_embeds=inputs_embeds, **kwargs)
-
-    monkeypatch.setattr(encoder, "forward", limited)
-    return sizes
 
 
 def many_items(count, seed):

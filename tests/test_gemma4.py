@@ -6,7 +6,6 @@ FUSED_VISION_EXPECT_ONEHOT_ERA=1, which checks that it really runs there.
 """
 
 import copy
-import importlib.metadata
 import os
 import pickle
 import sys
@@ -350,20 +349,6 @@ def test_an_embedder_without_the_lookup_method_gets_the_forward_alone(monkeypatc
     assert_close(run_tower(tower, pixels, ids), stock, **FP32_CLOSE, what="tower whose embedder has no lookup method")
 
 
-def test_vllm_plugin_is_registered_and_opt_in(monkeypatch):
-    (entry_point,) = [
-        e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.value.startswith("fused_vision")
-    ]
-    plugin = entry_point.load()
-    monkeypatch.delenv("FUSED_VISION_VLLM", raising=False)
-    plugin()
-    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._stock("embedder", "forward")
-    monkeypatch.setenv("FUSED_VISION_VLLM", "1")
-    plugin()
-    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
-    assert modeling.Gemma4VisionPooler.forward is fg._pooler_forward
-
-
 def test_calling_again_reconfigures_the_selected_op_and_keeps_the_other():
     model = tiny_conditional_generation()
     assert apply_fused_vision_to_gemma4(model) == 2
@@ -436,16 +421,11 @@ def test_errors():
     assert fused_ops(tower) == []
 
 
-def test_clear_import_error_without_gemma4(monkeypatch, caplog):
+def test_clear_import_error_without_gemma4(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers.models.gemma4.modeling_gemma4", None)
     with pytest.raises(ImportError, match="has no Gemma 4"):
         apply_fused_vision_to_gemma4()
     assert revert_fused_vision_gemma4(nn.Linear(2, 2)) == 0  # nothing can have been patched: nothing to undo
-    # vLLM calls its plugins unguarded in every process: there it warns instead
-    monkeypatch.setenv("FUSED_VISION_VLLM", "1")
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fg.vllm_plugin()
-    assert "FUSED_VISION_VLLM=1 but Gemma 4 cannot be patched here" in caplog.text
 
 
 @pytest.mark.skipif(VERSION < (5, 10), reason="gemma4_unified is newer than the one-hot era")

@@ -14,7 +14,7 @@ import torch
 import fused_vision.encoding as fe
 import fused_vision.packed as fp
 import fused_vision.planner as planner
-from fused_vision import apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
+from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
 
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
@@ -312,7 +312,7 @@ def test_an_unsupported_attention_implementation(monkeypatch):
         apply_fused_vision_to_gemma4(tower, encoder="packed")
     assert fused_ops(tower) == [], "nothing patched"
 
-    monkeypatch.setattr(attention, "_WARNED", set())
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
     padded = []
     monkeypatch.setattr(fe, "_encode_chunk", lambda tower, p, i: padded.append(len(p)) or [p[0, :1]] * len(p))
     pixels, ids = mixed_items()
@@ -329,7 +329,7 @@ def test_an_unsupported_attention_implementation(monkeypatch):
 
 
 def test_attention_paths_a_kernel_does_not_take_go_to_sdpa(monkeypatch):
-    monkeypatch.setattr(attention, "_WARNED", set())
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # CUDA warns once that no varlen kernel takes these
         for dtype, head_dim in ((torch.float32, 64), (torch.float16, 36), (torch.bfloat16, 264)):

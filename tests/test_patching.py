@@ -54,9 +54,20 @@ class Bare(nn.Module):
         return x - 1
 
 
+class Budgeted(nn.Module):
+    """A staticmethod as vLLM's ``_encoder_chunk`` is one, which its tests call through the class."""
+
+    @staticmethod
+    def chunk(budget):
+        return budget // 2
+
+    def forward(self, x):
+        return x * self.chunk(8)
+
+
 SCALE_FORWARD, SCALE_SHIFT, BARE_FORWARD = Scale.forward, Scale.shift, Bare.forward
 SCALE_STOCK, SHIFT_STOCK, BARE_STOCK = X * 2, X + 2, X - 1
-STOCK_VARS = {cls: dict(vars(cls)) for cls in (Scale, Bare)}
+STOCK_VARS = {cls: dict(vars(cls)) for cls in (Scale, Bare, Budgeted)}
 
 
 def _fused(name: str):
@@ -83,7 +94,7 @@ def patch(model=None, *targets) -> int:
 
 
 def is_stand_in(cls: type) -> bool:
-    return cls in (Scale, Bare)
+    return cls in (Scale, Bare, Budgeted)
 
 
 def revert(model=None, classes=is_stand_in) -> int:
@@ -108,6 +119,7 @@ def stock_after_each_test():
     revert()
     assert_class_is_stock(Scale)
     assert_class_is_stock(Bare)
+    assert_class_is_stock(Budgeted)
 
 
 # ---- classes and instances -------------------------------------------------------------------------
@@ -283,6 +295,34 @@ def test_revert_with_a_predicate_leaves_other_classes_patched():
     assert revert(model, lambda cls: cls is Bare) == 1
     assert_runs(model[0], SCALE_STOCK + 3, "the module of the class not selected")
     assert_runs(model[1], BARE_STOCK, "the module of the class selected")
+
+
+def fused_chunk(self, budget):
+    stock, state = patching.stock_method(self, "chunk"), patching.fused_state(self)
+    return stock(budget) if state is None else budget - state.offset
+
+
+def test_an_instance_method_reaches_instances_and_leaves_the_class_and_its_copies_stock():
+    stock_chunk = Budgeted.__dict__["chunk"]  # the staticmethod object itself
+    module = Budgeted()
+    methods = {"chunk": patching.InstanceMethod(fused_chunk), "shift": patching.InstanceMethod(fused_shift)}
+    assert patch(None, patching.Target(Budgeted, methods, Fused(1))) == 1
+    assert module.chunk(8) == 7, "an instance's call runs ours"
+    assert_runs(module, X * 7, "stock forward calling the method through self")
+    assert Budgeted.chunk(8) == 4 and Budgeted.chunk is stock_chunk.__func__, "a call through the class is stock"
+
+    class Copy(nn.Module):  # vLLM's EmbeddingGemma2Model copies Gemma 4's methods in its class body
+        chunk = staticmethod(Budgeted.chunk)
+
+    assert Copy().chunk(8) == 4, "a copy taken from the class is stock"
+    assert not hasattr(Budgeted, "shift"), "a method the class does not define is not installed"
+    saved = Budgeted().chunk  # ours, bound
+    patching.revert(module, is_stand_in)  # pinned to stock while the class stays patched
+    assert module.chunk(8) == 4
+    assert revert() == 1
+    assert Budgeted.__dict__["chunk"] is stock_chunk, "the revert restores the very staticmethod object"
+    assert module.chunk(8) == 4
+    assert saved(8) == 4, "saved before the revert, it runs the staticmethod after it, with no self"
 
 
 # ---- errors --------------------------------------------------------------------------------------------

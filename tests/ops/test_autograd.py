@@ -271,7 +271,7 @@ def test_forward_mode_ad_carries_tangents(backend):
     tangent = torch.randn_like(table)
     ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
     hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
-    _dispatch._warn_once.cache_clear()
+    _dispatch._WARNED.clear()
     warned = pytest.warns(RuntimeWarning, match="forward-mode AD runs the PyTorch reference")
     with fwAD.dual_level(), warned if backend == "auto" else contextlib.nullcontext():
         out = fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids, backend=backend)
@@ -303,7 +303,7 @@ def test_torch_func_transforms_run_the_reference(backend):
     }
     for name, (op, x) in ops.items():
         cotangent = torch.randn_like(op(x, backend))
-        _dispatch._warn_once.cache_clear()
+        _dispatch._WARNED.clear()
         warned = pytest.warns(RuntimeWarning, match=f"{name}: torch.func transforms run the PyTorch reference")
         with warned if backend == "auto" else contextlib.nullcontext():
             grad = torch.func.grad(lambda a: (op(a, backend) * cotangent).sum())(x)

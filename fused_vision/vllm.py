@@ -1,0 +1,207 @@
+"""fused_vision inside vLLM's Gemma 4: its plugin, the planner's chunks and an out-of-memory guard.
+
+    FUSED_VISION_VLLM=1 vllm serve ...     # the plugin patches every process vLLM starts
+
+vLLM builds transformers' own tower, so transformers' class patch (``fused_vision.gemma4``) fuses its
+lookup and pooler. vLLM's ``Gemma4ForConditionalGeneration`` (``vllm.model_executor.models.gemma4_mm``)
+sizes the tower's chunks with ``_encoder_chunk``, priced as the int64 one-hot of transformers 5.5-5.9:
+on a 22 GiB card with 3 GiB free it sends one 2520-patch image per call where the tower's own
+activations leave room for sixteen. Patched here, a model's own calls of it return
+``fused_vision.planner.plan``'s chunk within vLLM's budget; calls through the class (vLLM's tests) keep
+vLLM's answer. ``_process_image_input`` and ``_process_video_input`` run again at half the chunk when
+they run out of memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+import sys
+import warnings
+import weakref
+
+import torch
+from torch import nn
+
+from . import encoding, gemma4, patching, planner
+from ._dispatch import warn_once
+
+__all__ = ["ENV_VLLM", "apply_fused_vision_to_vllm_gemma4", "revert_fused_vision_vllm_gemma4", "vllm_plugin"]
+
+logger = logging.getLogger("fused_vision")
+
+ENV_VLLM = "FUSED_VISION_VLLM"
+VLLM_MODULE = "vllm.model_executor.models.gemma4_mm"
+_STATE = "planner"  # what a patched model runs with, shown in its repr
+
+
+@dataclasses.dataclass
+class _Call:
+    """One guarded call of a model: the cap its re-runs put on the chunk, and each chunk ``_encoder_chunk``
+    answered in the current run, as (patches per item, items)."""
+
+    cap: int | None = None
+    chunks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+
+
+_CALLS: weakref.WeakKeyDictionary[nn.Module, _Call] = weakref.WeakKeyDictionary()
+
+
+def _planner_path(tower: nn.Module) -> str:
+    """``encoding.planner_path`` for what vLLM hands the embedder: float pixels and int64 position ids."""
+    table = tower.patch_embedder.position_embedding_table
+    probe = torch.empty(0, dtype=table.dtype, device="meta"), torch.empty(0, 2, dtype=torch.int64, device="meta")
+    return encoding.planner_path(tower, [probe])
+
+
+def _encoder_chunk(self, patches_per_item, free_bytes, total_bytes, position_embedding_size):
+    """``Gemma4ForConditionalGeneration._encoder_chunk`` for a model's own calls: the planner's chunk for its
+    tower within vLLM's budget, ``min(free // 2, total // 10)``, and at most a guarded re-run's cap."""
+    if patching.fused_state(self) is None:
+        stock = patching.stock_method(self, "_encoder_chunk")
+        return stock(patches_per_item, free_bytes, total_bytes, position_embedding_size)
+    tower = self.vision_tower  # position_embedding_size is its config's, which the planner reads
+    chunk = planner.plan(
+        sys.maxsize,  # vLLM takes min(len(items), chunk) itself
+        patches_per_item,
+        tower.config,
+        path=_planner_path(tower),
+        free_bytes=free_bytes,
+        total_bytes=total_bytes,
+        dtype=self.model_dtype,  # vLLM casts the embedder's output to it: the encoder's activations
+        attn_implementation=encoding.planner_attention(tower.config),
+    )
+    call = _CALLS.get(self)
+    if call is not None:
+        if call.cap is not None:
+            chunk = min(chunk, call.cap)
+        call.chunks.append((patches_per_item, chunk))
+    return chunk
+
+
+def _failed_chunk(call: _Call, pixel_values) -> int:
+    """Items per tower call when the error struck: the last chunk ``_encoder_chunk`` answered, cut as vLLM
+    cuts it to the items of that patch count; 1 (nothing to halve) where it was not asked (MM-LoRA)."""
+    if not call.chunks:
+        return 1
+    patches, chunk = call.chunks[-1]
+    return min(chunk, sum(item.shape[0] == patches for item in pixel_values))
+
+
+def _out_of_memory_guard(name: str, pixels_key: str):
+    """vLLM's method ``name`` run again, whole, at half the chunk that ran out of memory, down to one item."""
+
+    def guarded(self, inputs, *args, **kwargs):
+        stock = patching.stock_method(self, name)
+        if patching.fused_state(self) is None:
+            return stock(inputs, *args, **kwargs)
+        call = _CALLS[self] = _Call()
+        failed: list[int] = []
+        try:
+            while True:
+                call.chunks.clear()
+                try:
+                    return stock(inputs, *args, **kwargs)
+                except torch.OutOfMemoryError:
+                    failed.append(_failed_chunk(call, inputs[pixels_key]))
+                    if failed[-1] <= 1:
+                        raise
+                # Out of the handler: the error's frames, and the chunk's tensors they hold, are gone.
+                call.cap = failed[-1] // 2
+                encoding.empty_cache(self.vision_tower.patch_embedder.position_embedding_table.device)
+        finally:
+            del _CALLS[self]
+            if call.cap is not None:
+                outcome = "re-raised the last error" if failed[-1] <= 1 else f"re-ran with at most {call.cap}"
+                sizes = " -> ".join(map(str, failed))
+                warnings.warn(
+                    f"fused_vision: vLLM's {name} ran out of memory at {sizes} items per vision-tower call; {outcome}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+
+    guarded.__name__ = guarded.__qualname__ = name
+    guarded.__doc__ = f"vLLM's ``{name}``, run again at half the chunk that runs out of memory."
+    return guarded
+
+
+_METHODS = {
+    "_encoder_chunk": patching.InstanceMethod(_encoder_chunk),
+    "_process_image_input": patching.InstanceMethod(_out_of_memory_guard("_process_image_input", "pixel_values")),
+    "_process_video_input": patching.InstanceMethod(
+        _out_of_memory_guard("_process_video_input", "pixel_values_videos")
+    ),
+}
+
+
+def _model_class() -> type:
+    """vLLM's ``Gemma4ForConditionalGeneration``, with a clear error where this vLLM has none."""
+    try:
+        module = importlib.import_module(VLLM_MODULE)
+    except ImportError as exc:
+        raise ImportError(f"fused_vision.vllm needs vLLM with Gemma 4 ({VLLM_MODULE}): {exc}") from exc
+    if not isinstance(getattr(module, "Gemma4ForConditionalGeneration", None), type):
+        raise ImportError(f"{VLLM_MODULE} has no Gemma4ForConditionalGeneration")
+    return module.Gemma4ForConditionalGeneration
+
+
+def apply_fused_vision_to_vllm_gemma4() -> int:
+    """Patch vLLM's ``Gemma4ForConditionalGeneration``: the planner's chunks and the out-of-memory guard.
+
+    For every model vLLM builds, built already or later:
+
+    - ``_encoder_chunk`` called through the model returns ``fused_vision.planner.plan``'s chunk for its
+      tower's config, vLLM's model dtype and the tower's attention, within vLLM's own budget
+      ``min(free // 2, total // 10)``. It prices the path that runs: the one-hot where a 5.5-5.9
+      embedder runs stock code, the tower's activations otherwise. Called through the class (vLLM's
+      tests do), it stays vLLM's.
+    - ``_process_image_input`` and ``_process_video_input`` that run out of memory
+      (``torch.OutOfMemoryError``) run again, whole, with the chunk capped at half the chunk that failed,
+      down to one item, whose error is raised; a ``RuntimeWarning`` names the sizes.
+
+    Returns:
+        The number of methods patched: 3, fewer where this vLLM lacks one (a warning names it), 0 without
+        ``_encoder_chunk``, whose chunk the guard would cap. Calling again changes nothing.
+
+    Raises:
+        ImportError: vLLM or its Gemma 4 model is missing.
+    """
+    cls = _model_class()
+    missing = [name for name in _METHODS if patching.stock_attribute(cls, name) is patching.MISSING]
+    if "_encoder_chunk" in missing:
+        warn_once(f"fused_vision: vLLM's {cls.__name__} has no _encoder_chunk: its chunks stay vLLM's")
+        return 0
+    if missing:
+        warn_once(f"fused_vision: vLLM's {cls.__name__} has no {' or '.join(missing)}: no out-of-memory guard there")
+    methods = {name: method for name, method in _METHODS.items() if name not in missing}
+    patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _STATE)], "")
+    return len(methods)
+
+
+def _is_vllm_class(cls: type) -> bool:
+    return cls.__module__.startswith("vllm.")
+
+
+def revert_fused_vision_vllm_gemma4() -> int:
+    """Undo ``apply_fused_vision_to_vllm_gemma4``: vLLM's class holds its own methods again, the very
+    objects it held. Returns the number of classes restored (0 or 1)."""
+    return patching.revert(None, _is_vllm_class)
+
+
+def vllm_plugin() -> None:
+    """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
+    process it starts, its model workers included, where a patch made in the launching script does not
+    reach. Opt-in: only with FUSED_VISION_VLLM=1 does it patch transformers' Gemma 4 classes, then vLLM's
+    Gemma 4 model. It never raises: vLLM runs its plugins unguarded, so an error would stop the process."""
+    if os.environ.get(ENV_VLLM) != "1":
+        return
+    for what, apply in (
+        ("Gemma 4", gemma4.apply_fused_vision_to_gemma4),
+        ("vLLM's Gemma 4", apply_fused_vision_to_vllm_gemma4),
+    ):
+        try:
+            apply()
+        except Exception as exc:
+            logger.warning("fused_vision: %s=1 but %s cannot be patched here (%s)", ENV_VLLM, what, exc)
