@@ -259,13 +259,15 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_en
                 outputs[index] = tokens
             start += len(selected)
         if shrunk:
-            warnings.warn(
-                f"encode_images: out of memory at {' -> '.join(map(str, shrunk))} items per call of {patches} "
-                f"patches; went on with {chunk}",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            _warn_shrunk(shrunk, chunk, f"call of {patches} patches", stacklevel=4)
     return outputs  # type: ignore[return-value]
+
+
+def _warn_shrunk(shrunk: list[int], kept: int, calls: str, stacklevel: int) -> None:
+    """One RuntimeWarning for the chunk sizes that ran out of memory; ``stacklevel`` counts from here."""
+    sizes = " -> ".join(map(str, shrunk))
+    message = f"encode_images: out of memory at {sizes} items per {calls}; went on with {kept}"
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def _checked_path(tower, pixels, ids, indices) -> str:
@@ -345,12 +347,7 @@ def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.T
         outputs[start:end] = encoded
         start = end
     if shrunk:
-        warnings.warn(
-            f"encode_images: out of memory at {' -> '.join(map(str, shrunk))} items per packed call; went on with "
-            f"{cap}",
-            RuntimeWarning,
-            stacklevel=3,
-        )
+        _warn_shrunk(shrunk, cap, "packed call", stacklevel=5)
     return outputs  # type: ignore[return-value]
 
 
