@@ -5,7 +5,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from .encoder import ENCODER_TOWERS, layer_note
+from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
 from .measure import Ceiling
 from .targets import ENCODER_TARGETS, GOALS, TARGET_CASE, TARGET_DTYPE, TARGET_HIDDEN, Verdict, verdicts
 
@@ -173,14 +173,14 @@ def _ratio(by_provider: dict[str, dict], numerator: str, denominator: str) -> st
     return f"{by_provider[numerator]['items_per_s'] / by_provider[denominator]['items_per_s']:.2f}×"
 
 
-def encoder_tables(rows: list[dict], providers: tuple[str, ...], device_type: str, tiny: bool) -> list[str]:
+def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
     """One table per (op, dtype): a row per mix, each provider's items/s and peak, packed's ratios; the target."""
-    groups: dict[tuple[str, str], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    groups: dict[tuple[str, str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
-        groups[row["op"], row["dtype"]][row["case"]][row["provider"]] = row
+        groups[row["op"], row["dtype"], row["layers"]][row["case"]][row["provider"]] = row
     lines = []
-    for (op, dtype), by_case in groups.items():
-        present = [p for p in providers if any(p in by_provider for by_provider in by_case.values())]
+    for (op, dtype, layers), by_case in groups.items():
+        present = [p for p in ENCODER_PROVIDERS if any(p in by_provider for by_provider in by_case.values())]
         header = ["case", "items", "real patches", *present, "packed / stock", "packed / padded"]
         body = []
         for case, by_provider in by_case.items():
@@ -191,7 +191,6 @@ def encoder_tables(rows: list[dict], providers: tuple[str, ...], device_type: st
                 peak = "" if row is None or row["peak_bytes"] is None else f" · {format_bytes(row['peak_bytes'])}"
                 cells.append("—" if row is None else f"{significant(row['items_per_s'])}/s{peak}")
             body.append(cells + [_ratio(by_provider, "packed", "stock"), _ratio(by_provider, "packed", "padded")])
-        layers = next(iter(next(iter(by_case.values())).values()))["layers"]
         note = f"{ENCODER_TOWERS[op]} with {layer_note(op, layers, tiny)}."
         lines += [f"### {op} · {dtype}", "", f"{note} {ENCODER_TARGETS[device_type].judge(by_case, dtype)}"]
         lines += ["", *_table(header, body)]
@@ -292,7 +291,7 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
         lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
     lines += goal_lines(rows)
     lines += op_tables(other_rows, providers, stem_ops)
-    lines += encoder_tables(encoder_rows, providers, session.options.device.type, session.options.tiny)
+    lines += encoder_tables(encoder_rows, session.options.device.type, session.options.tiny)
     lines += low_memory_table(session.low_memory_rows)
     lines += skipped_lines(session.skipped)
     return "\n".join(lines)
