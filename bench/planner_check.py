@@ -23,17 +23,15 @@ import json
 import math
 import os
 import sys
-import weakref
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
 import transformers
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 
+from fused_vision.bench.measure import LiveTensorBytes
 from fused_vision.bench.tower import VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
 from fused_vision.encoding import planner_path
@@ -97,42 +95,6 @@ def make_inputs(config: Gemma4VisionConfig, batch: int, soft_tokens: int, device
     pixel_values = torch.rand(batch, patches, 3 * config.patch_size**2)
     pixel_values[:, xs.numel() :] = 0
     return pixel_values.to(device), position_ids.to(device)
-
-
-class LiveTensorBytes(TorchDispatchMode):
-    """Peak bytes of tensor storage created by the ops run under this mode and still alive.
-
-    Storages that exist beforehand (weights, inputs) and views of them are not counted. Scratch
-    memory inside a single aten kernel is invisible; run under torch.no_grad rather than
-    inference_mode so composite ops (sdpa, matmul, softmax with dtype) decompose and their
-    temporaries are seen.
-    """
-
-    def __init__(self, existing: list[torch.Tensor]):
-        super().__init__()
-        self._existing = {t.untyped_storage().data_ptr() for t in existing}
-        self._alive: set[int] = set()
-        self.live = 0
-        self.peak = 0
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self._alive.discard(key)
-        self.live -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in tree_leaves(out):
-            if not isinstance(tensor, torch.Tensor):
-                continue
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if key in self._existing or key in self._alive or storage.nbytes() == 0:
-                continue
-            self._alive.add(key)
-            self.live += storage.nbytes()
-            weakref.finalize(storage, self._freed, key, storage.nbytes())
-        self.peak = max(self.peak, self.live)
-        return out
 
 
 def measure_peak(model, pixel_values: torch.Tensor, position_ids: torch.Tensor) -> int:

@@ -3,12 +3,14 @@
 ``python -m fused_vision bench`` (or ``fused-vision bench``) runs it; ``run(Options(...))`` is the same
 from Python. Providers, per op: ``onehot`` (transformers 5.5-5.9), ``embedding`` (5.10+, two
 F.embedding), ``compiled`` (torch.compile of the 5.10+ code; of the stock pooler), ``fused``
-(fused_vision's public op, Triton backend) and ``fused_kernel`` (its Triton launcher alone).
+(fused_vision's public op, Triton backend) and ``fused_kernel`` (its Triton launcher alone); for the
+encoders, ``stock`` (the tower's padded forward), ``padded`` and ``packed`` (``encode_images``).
 Ops: the lookup, the patch embedder, the pooler, the backward of each, the E2B/E4B and 26B/31B
-vision towers, and vLLM's low-memory scenario.
+vision towers, their encoders on processor mixes, and vLLM's low-memory scenario.
 """
 
-from .runner import OP_GROUPS, OPS, PROVIDERS, Options, run
+from .plan import OP_GROUPS, OPS, PROVIDERS, Options
+from .runner import run
 from .workloads import Case
 
 __all__ = ["Case", "OPS", "OP_GROUPS", "Options", "PROVIDERS", "run"]

@@ -5,8 +5,9 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
+from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
 from .measure import Ceiling
-from .targets import GOALS, TARGET_CASE, TARGET_DTYPE, TARGET_HIDDEN, Verdict, verdicts
+from .targets import ENCODER_TARGETS, GOALS, TARGET_CASE, TARGET_DTYPE, TARGET_HIDDEN, Verdict, verdicts
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
@@ -14,6 +15,7 @@ COLUMNS = (
     "ms_p50", "ms_p20", "ms_p80",
     "peak_bytes", "peak_requested_bytes", "output_bytes",
     "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
+    "items_per_s", "real_patches", "layers",
     *ENVIRONMENT_COLUMNS,
 )  # fmt: skip
 LOW_MEMORY_COLUMNS = (
@@ -28,6 +30,9 @@ PROVIDER_COLORS = {
     "compiled": "tab:purple",
     "fused": "tab:green",
     "fused_kernel": "tab:olive",
+    "stock": "tab:gray",
+    "padded": "tab:orange",
+    "packed": "tab:cyan",
 }
 
 
@@ -58,6 +63,8 @@ def format_pct(pct: float) -> str:
 
 def progress_summary(row: dict) -> str:
     parts = [f"{format_ms(row['ms_p50'])} [{significant(row['ms_p20'])}, {significant(row['ms_p80'])}]"]
+    if row.get("items_per_s") is not None:
+        parts.append(f"{significant(row['items_per_s'])} items/s")
     if row.get("peak_bytes") is not None:
         parts.append(f"peak {format_bytes(row['peak_bytes'])}")
     if row.get("pct_of_copy") is not None:
@@ -160,6 +167,36 @@ def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str,
     return lines
 
 
+def _ratio(by_provider: dict[str, dict], numerator: str, denominator: str) -> str:
+    if numerator not in by_provider or denominator not in by_provider:
+        return "—"
+    return f"{by_provider[numerator]['items_per_s'] / by_provider[denominator]['items_per_s']:.2f}×"
+
+
+def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
+    """One table per (op, dtype): a row per mix, each provider's items/s and peak, packed's ratios; the target."""
+    groups: dict[tuple[str, str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for row in rows:
+        groups[row["op"], row["dtype"], row["layers"]][row["case"]][row["provider"]] = row
+    lines = []
+    for (op, dtype, layers), by_case in groups.items():
+        present = [p for p in ENCODER_PROVIDERS if any(p in by_provider for by_provider in by_case.values())]
+        header = ["case", "items", "real patches", *present, "packed / stock", "packed / padded"]
+        body = []
+        for case, by_provider in by_case.items():
+            first = next(iter(by_provider.values()))
+            cells = [case, str(first["B"]), f"{100 * first['real_patches'] / (first['B'] * first['N']):.1f}%"]
+            for provider in present:
+                row = by_provider.get(provider)
+                peak = "" if row is None or row["peak_bytes"] is None else f" · {format_bytes(row['peak_bytes'])}"
+                cells.append("—" if row is None else f"{significant(row['items_per_s'])}/s{peak}")
+            body.append(cells + [_ratio(by_provider, "packed", "stock"), _ratio(by_provider, "packed", "padded")])
+        note = f"{ENCODER_TOWERS[op]} with {layer_note(op, layers, tiny)}."
+        lines += [f"### {op} · {dtype}", "", f"{note} {ENCODER_TARGETS[device_type].judge(by_case, dtype)}"]
+        lines += ["", *_table(header, body)]
+    return lines
+
+
 def low_memory_table(rows: list[dict]) -> list[str]:
     if not rows:
         return []
@@ -233,15 +270,28 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
         f"Ceilings measured in this run: device copy **{significant(copy.gbps)} GB/s** (bytes read + written, "
         f"{copy.case}), {matmul.case} {session.dtype_name} matmul **{significant(matmul.tflops)} TFLOP/s**.",
         "",
-        "Cells: median time · peak bytes allocated beyond the inputs, output included (CUDA only) · for the stem "
-        "ops, % of the floor, where floor = max(bytes the op must move / copy bandwidth, FLOPs / matmul rate). "
-        "onehot / fused: the fused op's speed-up over the one-hot.",
-        "",
     ]
+    encoder_rows = [row for row in rows if row["op"] in ENCODER_TOWERS]
+    other_rows = [row for row in rows if row["op"] not in ENCODER_TOWERS]
+    if any(row["op"] not in CEILING_OPS for row in other_rows):
+        lines += [
+            "Cells: median time · peak bytes allocated beyond the inputs, output included (CUDA only) · for the stem "
+            "ops, % of the floor, where floor = max(bytes the op must move / copy bandwidth, FLOPs / matmul rate). "
+            "onehot / fused: the fused op's speed-up over the one-hot.",
+            "",
+        ]
+    if encoder_rows:
+        lines += [
+            "Encoder cells: items/s (items over the median time of a call, over repetitions that interleave the "
+            "providers) · peak beyond the weights and inputs, output included (CUDA: allocator blocks; CPU: the "
+            "live tensors the call creates, under no_grad). Ratios: packed's items/s over stock's and padded's.",
+            "",
+        ]
     if session.interrupted:
         lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
     lines += goal_lines(rows)
-    lines += op_tables(rows, providers, stem_ops)
+    lines += op_tables(other_rows, providers, stem_ops)
+    lines += encoder_tables(encoder_rows, session.options.device.type, session.options.tiny)
     lines += low_memory_table(session.low_memory_rows)
     lines += skipped_lines(session.skipped)
     return "\n".join(lines)

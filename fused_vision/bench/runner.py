@@ -1,10 +1,11 @@
 """The driver: what runs, in which order, within what time, and what each measurement becomes.
 
 Order: the two ceilings; every stem op's providers but ``compiled``, the target case first (its first
-calls tune the kernels' tiles for the whole run); the towers; the low-memory scenario; the ``compiled``
-providers last. Compile times are the one part of the run nobody can
-predict, so a run past its time budget loses compiled rows first, never the towers or the scenario;
-among them the embedder's at the target case and width go first: the comparison a target is set on.
+calls tune the kernels' tiles for the whole run); the towers; the low-memory scenario; the encoders'
+providers but ``compiled``; the ``compiled`` providers last, the stem ops' then the encoders'. Compile
+times are the one part of the run nobody can predict, so a run past its time budget loses compiled rows
+first, never the towers or the scenario; among them the embedder's at the target case and width go first:
+the comparison a target is set on.
 """
 
 import platform
@@ -12,7 +13,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from functools import partial
 from importlib.metadata import PackageNotFoundError, version
@@ -23,6 +23,7 @@ import torch
 import fused_vision
 
 from . import report
+from .encoder import Mix, bench_encoder
 from .measure import (
     Budget,
     Ceiling,
@@ -35,83 +36,12 @@ from .measure import (
     time_call,
 )
 from .ops import STEM_OPS, Unsupported
+from .plan import OPS, PROVIDERS, Options, Plan
 from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
-from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS, bench_tower, run_low_memory
-from .workloads import CPU_CASES, GPU_CASES, GPU_TOWER_CASES, TINY_CASES, Case
+from .tower import bench_tower, run_low_memory
+from .workloads import Case
 
-TOWER_OPS = tuple(VISION_TOWERS)
-OPS = (*STEM_OPS, *TOWER_OPS, "low_memory")
-OP_GROUPS = {"stem": tuple(STEM_OPS), "tower": TOWER_OPS}
-PROVIDERS = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
 COMPILED_FIRST = ("patch_embed", "position_embeddings")  # then the other ops with a compiled provider
-DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, that of the baselines (bench/baselines.md)
-TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
-# The whole comparison must end within 5 minutes on an H200: this leaves ~90 s for start-up,
-# the task running at the deadline (a compile can take 20 s) and the reports.
-DEFAULT_TIME_BUDGET_S = 210.0
-
-
-@dataclass(frozen=True)
-class Options:
-    """What to run. ``None`` leaves the choice to the device's defaults (see ``Plan``)."""
-
-    device: torch.device
-    out: Path
-    ops: tuple[str, ...] | None = None
-    providers: tuple[str, ...] | None = None
-    cases: tuple[Case, ...] | None = None
-    hidden_sizes: tuple[int, ...] | None = None
-    dtype: torch.dtype | None = None
-    quick: bool = False
-    tiny: bool = False
-    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
-    command: str = ""
-
-
-@dataclass(frozen=True)
-class Plan:
-    """What a run does: the options, with the device's defaults where they leave a choice open.
-
-    GPUs run everything at the checkpoints' shapes in bf16 (their dtype; pixels stay float32, as the
-    processors emit them). CPUs run the stem ops' one-hot and F.embedding code at small shapes in fp32:
-    compiles take minutes there, Triton runs on a CPU only in its interpreter, whose times mean nothing,
-    and a CPU without bf16 matmul instructions emulates them (one bf16 one-hot lookup at video_2x70 took
-    15 s on a 2-core x86, 50x its fp32 time).
-    """
-
-    ops: tuple[str, ...]
-    providers: tuple[str, ...]
-    stem_cases: tuple[Case, ...]
-    tower_cases: tuple[Case, ...]
-    hidden_sizes: tuple[int, ...]
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, options: Options) -> "Plan":
-        on_gpu, tiny = options.device.type == "cuda", options.tiny
-        return cls(
-            ops=options.ops or (OPS if on_gpu else tuple(STEM_OPS)),
-            providers=options.providers or (PROVIDERS if on_gpu else ("onehot", "embedding")),
-            stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
-            tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES[:1]),
-            hidden_sizes=options.hidden_sizes or ((TINY_HIDDEN,) if tiny else (DEFAULT_HIDDEN,)),
-            dtype=options.dtype or (torch.bfloat16 if on_gpu else torch.float32),
-        )
-
-    @property
-    def stem_ops(self) -> tuple[str, ...]:
-        return tuple(op for op in STEM_OPS if op in self.ops)
-
-    @property
-    def tower_ops(self) -> tuple[str, ...]:
-        return tuple(op for op in TOWER_OPS if op in self.ops)
-
-    def task_count(self) -> int:
-        chosen = set(self.providers)
-        stem = sum(len(chosen & set(STEM_OPS[op].providers)) for op in self.stem_ops)
-        count = stem * len(self.stem_cases) * len(self.hidden_sizes)
-        count += len(self.tower_ops) * len(chosen & set(TOWER_PROVIDERS)) * len(self.tower_cases)
-        return count + (len(LOW_MEMORY_PATHS) * len(LOW_MEMORY_WORKLOADS) if "low_memory" in self.ops else 0)
 
 
 # do_bench's own defaults for the stem ops; a tower call takes 30-300 ms, so a second buys 3-30 timed calls.
@@ -194,7 +124,7 @@ class Session:
         width = len(str(self.total_tasks))
         self.log(f"[{self.tasks_done:>{width}}/{self.total_tasks}] {line}")
 
-    def skip(self, op: str, provider: str, case: Case, hidden: int, reason: BaseException | str) -> None:
+    def skip(self, op: str, provider: str, case: Case | Mix, hidden: int, reason: BaseException | str) -> None:
         reason = describe(reason)
         self.skipped.append(dict(op=op, provider=provider, case=case.name, D=hidden, reason=reason))
         self._progress(f"{op:<14} {provider:<12} {case.name:<13} D={hidden:<5} skipped: {reason}")
@@ -260,12 +190,15 @@ class Session:
             floor_ms = max(floor_ms, flops / self.matmul.tflops / 1e9)
         if floor_ms:
             row["floor_ms"] = floor_ms
+        self.record(row, first_call_s)
+        return result
+
+    def record(self, row: dict, first_call_s: float) -> None:
         self.rows.append(row | self.environment)
         self._progress(
-            f"{op:<14} {provider:<12} {case.name:<13} D={hidden:<5} {report.progress_summary(row)}"
+            f"{row['op']:<14} {row['provider']:<12} {row['case']:<13} D={row['D']:<5} {report.progress_summary(row)}"
             f"  (first call {first_call_s:.2f} s)"
         )
-        return result
 
     def measure_ceilings(self) -> None:
         device, tiny = self.options.device, self.options.tiny
@@ -340,11 +273,15 @@ def run_sections(session: Session, plan: Plan) -> None:
         session.guarded(op, bench_tower, session, op, plan.providers, plan.tower_cases)
     if "low_memory" in plan.ops:
         session.guarded("low_memory", run_low_memory, session)
+    for op in plan.encoder_ops:
+        session.guarded(op, bench_encoder, session, op, eager, plan.encoder_cases)
     if "compiled" in plan.providers:
         first = tuple(op for op in COMPILED_FIRST if op in plan.stem_ops)
         ops = first + tuple(op for op in plan.stem_ops if op not in first)
         hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != TARGET_HIDDEN)
         session.guarded("compiled", bench_stem, session, ops, ("compiled",), stem_cases, hidden_sizes)
+        for op in plan.encoder_ops:
+            session.guarded(f"{op} compiled", bench_encoder, session, op, ("compiled",), plan.encoder_cases)
 
 
 def run(options: Options) -> Path:
@@ -369,7 +306,8 @@ def run(options: Options) -> Path:
         log(
             f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)}; "
             f"cases {', '.join(case.name for case in plan.stem_cases)} "
-            f"(towers: {', '.join(case.name for case in plan.tower_cases)}); "
+            f"(towers: {', '.join(case.name for case in plan.tower_cases)}; "
+            f"encoders: {', '.join(Mix(case).name for case in plan.encoder_cases)}); "
             f"D {', '.join(map(str, plan.hidden_sizes))}; {session.dtype_name}; results in {options.out}"
         )
         session.measure_ceilings()

@@ -70,13 +70,16 @@ def tower_shape(name: str, *, tiny: bool) -> dict:
     return {**VISION_TOWERS[name], **(TINY_TOWER if tiny else {})}
 
 
-def build_tower(name: str, device: torch.device, dtype: torch.dtype, *, tiny: bool) -> torch.nn.Module:
-    """An sdpa ``Gemma4VisionModel`` in ``dtype`` with random weights, built on ``device``, without autograd."""
+def build_tower(
+    name: str, device: torch.device, dtype: torch.dtype, *, tiny: bool, layers: int | None = None
+) -> torch.nn.Module:
+    """An sdpa ``Gemma4VisionModel`` in ``dtype`` with random weights, built on ``device``, without autograd;
+    ``layers`` encoder layers where given, else the shape's."""
     from transformers import Gemma4VisionConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4VisionModel
 
     config = Gemma4VisionConfig(
-        **tower_shape(name, tiny=tiny),
+        **tower_shape(name, tiny=tiny) | ({} if layers is None else dict(num_hidden_layers=layers)),
         patch_size=PATCH_SIZE,
         pooling_kernel_size=POOLING_KERNEL,
         position_embedding_size=POSITION_EMBEDDING_SIZE,

@@ -5,7 +5,6 @@ mean nothing, only that every path runs and reports. On a GPU the same tests run
 memory, and the low-memory scenario on its emulated card.
 """
 
-import csv
 import math
 import signal
 import subprocess
@@ -15,7 +14,7 @@ import pytest
 import torch
 
 from fused_vision.__main__ import main
-from fused_vision.bench import Case, report, runner, targets
+from fused_vision.bench import Case, plan, report, runner, targets
 from fused_vision.bench.ops import (
     STEM_OPS,
     PatchEmbed,
@@ -27,6 +26,7 @@ from fused_vision.bench.ops import (
 )
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
+from bench_cli import read_csv, run_cli
 from conftest import DEVICE, TIME_BOXED
 
 REQUIRED_COLUMNS = (
@@ -35,18 +35,6 @@ REQUIRED_COLUMNS = (
 )  # fmt: skip
 TEXT_COLUMNS = {"op", "provider", "case", "dtype", *report.ENVIRONMENT_COLUMNS}
 TOWERS = ("tower_e2b_e4b", "tower_26b_31b")
-
-
-def read_csv(path):
-    with path.open(newline="") as file:
-        reader = csv.DictReader(file)
-        return tuple(reader.fieldnames), list(reader)
-
-
-def run_cli(tmp_path, *args: str):
-    out = tmp_path / "bench"
-    assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", "--out", str(out), *args]) == 0
-    return out
 
 
 def test_every_op_and_provider_reports_through_the_cli(tmp_path):
@@ -126,7 +114,7 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
     monkeypatch.setattr(runner, "bench_stem", bench_stem)
     monkeypatch.setattr(runner, "bench_tower", lambda session, op, *_: sections.append(op))
     ops = ("position_embeddings", "pool_by_positions", "patch_embed", "tower_e2b_e4b")
-    options = runner.Options(
+    options = plan.Options(
         device=DEVICE,
         out=tmp_path,
         ops=ops,
@@ -134,8 +122,8 @@ def test_compiled_providers_run_last_the_embedder_first(tmp_path, monkeypatch):
         cases=GPU_CASES,
         hidden_sizes=(768, 1152),
     )
-    plan = runner.Plan.of(options)
-    runner.run_sections(runner.Session(options, runner.Log(tmp_path / "log.txt"), plan), plan)
+    chosen = plan.Plan.of(options)
+    runner.run_sections(runner.Session(options, runner.Log(tmp_path / "log.txt"), chosen), chosen)
     assert sections == [
         (("onehot", "fused"), ("position_embeddings", "patch_embed", "pool_by_positions")),
         "tower_e2b_e4b",
@@ -222,11 +210,11 @@ def test_sigint_mid_run_writes_the_reports(tmp_path):
 def test_the_dtype_follows_the_device_unless_given(tmp_path):
     """bf16 on a GPU (the checkpoints'); fp32 on a CPU, which may emulate bf16 matmuls 50x slower."""
 
-    def plan(device, dtype=None):
-        return runner.Plan.of(runner.Options(device=torch.device(device), out=tmp_path, dtype=dtype)).dtype
+    def dtype(device, dtype=None):
+        return plan.Plan.of(plan.Options(device=torch.device(device), out=tmp_path, dtype=dtype)).dtype
 
-    assert plan("cuda") == torch.bfloat16 and plan("cpu") == torch.float32
-    assert plan("cpu", torch.float16) == torch.float16 and plan("cuda", torch.float32) == torch.float32
+    assert dtype("cuda") == torch.bfloat16 and dtype("cpu") == torch.float32
+    assert dtype("cpu", torch.float16) == torch.float16 and dtype("cuda", torch.float32) == torch.float32
     out = run_cli(tmp_path, "--ops", "position_embeddings", "--providers", "embedding", "--dtype", "float16")
     _, rows = read_csv(out / "results.csv")
     assert [(row["op"], row["dtype"]) for row in rows] == [

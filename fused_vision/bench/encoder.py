@@ -1,0 +1,207 @@
+"""Whole encoder calls on processor mixes: the packed encoder against the stock tower, in items/s and peak memory.
+
+Providers, on one unpatched tower and its weights: ``stock`` (the tower's padded forward on the processor's
+batch), ``compiled`` (``torch.compile`` of it; its compile is logged, not timed), ``padded``
+(``fused_vision.encode_images(packed=False)``: padded buckets) and ``packed`` (``encode_images(packed=True)``:
+the padding dropped, one sequence with per-item boundaries).
+
+Mixes come from transformers' ``Gemma4ImageProcessorPil`` (patch size 16, pooling 3) on synthetic random
+images: ``image_mix_<n>x<L>`` cycles ``ASPECT_RATIOS``, ``video_<n>x<L>`` is n frames of one 16:9 video,
+which share one grid. Repetitions interleave (each one calls every provider once), so a load that drifts
+during the run (other processes, clocks, heat) reaches every provider alike. On a CPU the towers run one
+layer: each layer costs the same, so the ratios hold up to the embedder's and pooler's share of a call.
+"""
+
+import itertools
+import time
+from dataclasses import dataclass
+from functools import partial
+
+import numpy as np
+import torch
+
+import fused_vision
+
+from .measure import Peak, call_peak, interleaved_times, synchronize, tensor_bytes
+from .ops import Unsupported, compile_static
+from .tower import VISION_TOWERS, build_tower, tower_shape
+from .workloads import PATCH_SIZE, POOLING_KERNEL, Case
+
+ENCODER_TOWERS = {"encoder_e2b_e4b": "tower_e2b_e4b", "encoder_26b_31b": "tower_26b_31b"}
+ENCODER_PROVIDERS = ("stock", "compiled", "padded", "packed")
+ASPECT_RATIOS = ((4, 3), (3, 4), (16, 9), (9, 16), (1, 1), (3, 1), (1, 3))  # (width, height)
+VIDEO_ASPECT_RATIO = (16, 9)
+SIDE_UNIT_PX = 80  # a (w, h) image is w·80 x h·80 pixels (16:9: 1280x720); the processor resizes it to its budget
+CPU_LAYERS = 1
+REPS = {"cpu": 3, "cuda": 10}
+QUICK_REPS = {"cpu": 1, "cuda": 3}
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A case's items as transformers' Gemma 4 image processor hands them to the tower."""
+
+    case: Case
+
+    @property
+    def name(self) -> str:
+        case = self.case
+        return f"image_mix_{case.items}x{case.soft_tokens}" if case.kind == "image" else case.name
+
+    @property
+    def aspect_ratios(self) -> list[tuple[int, int]]:
+        if self.case.kind == "video":
+            return [VIDEO_ASPECT_RATIO] * self.case.items
+        return list(itertools.islice(itertools.cycle(ASPECT_RATIOS), self.case.items))
+
+    def inputs(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, N, 768) float32 pixels and (B, N, 2) int64 ids from the processor, on ``device``."""
+        try:
+            from PIL import Image
+            from transformers import Gemma4ImageProcessorPil
+        except ImportError as exc:
+            raise Unsupported(f"needs transformers' Gemma4ImageProcessorPil and Pillow ({exc})") from exc
+        rng = np.random.default_rng(0)
+        images = [
+            Image.fromarray(rng.integers(0, 256, (h * SIDE_UNIT_PX, w * SIDE_UNIT_PX, 3), dtype=np.uint8))
+            for w, h in self.aspect_ratios
+        ]
+        processor = Gemma4ImageProcessorPil(patch_size=PATCH_SIZE, pooling_kernel_size=POOLING_KERNEL)
+        batch = processor(images, max_soft_tokens=self.case.soft_tokens, return_tensors="pt")
+        return batch["pixel_values"].to(device), batch["image_position_ids"].to(device)
+
+
+def encoder_shape(op: str, device: torch.device, tiny: bool) -> dict:
+    """The tower's shape as this run builds it: its layers cut to ``CPU_LAYERS`` on a CPU."""
+    shape = tower_shape(ENCODER_TOWERS[op], tiny=tiny)
+    if device.type == "cpu":
+        shape["num_hidden_layers"] = min(shape["num_hidden_layers"], CPU_LAYERS)
+    return shape
+
+
+def layer_note(op: str, layers: int, tiny: bool) -> str:
+    """The layers a run built, and why where fewer than the tower's."""
+    full = VISION_TOWERS[ENCODER_TOWERS[op]]["num_hidden_layers"]
+    if layers == full:
+        return f"all {full} layers"
+    if tiny:
+        return f"{layers} of its {full} layers (--tiny)"
+    cost = "each layer costs the same, so the ratios hold up to the embedder's and pooler's share of a call"
+    return f"{layers} of its {full} layers (a CPU run: {cost})"
+
+
+def provider_call(provider: str, model: torch.nn.Module, pixels: torch.Tensor, ids: torch.Tensor):
+    """The call ``provider`` times: every one without autograd, as ``encode_images`` runs."""
+    if provider in ("padded", "packed"):
+        return partial(fused_vision.encode_images, model, pixels, ids, packed=provider == "packed")
+    if provider == "compiled":
+        torch._dynamo.reset()  # a fresh compile per mix: its time is the mix's own
+    forward = compile_static(model) if provider == "compiled" else model
+
+    @torch.no_grad()
+    def call():
+        return forward(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+
+    return call
+
+
+def flat(output) -> torch.Tensor:
+    """Soft tokens as one (sum T_i, D) tensor: stock's ``last_hidden_state``, or encode_images' list joined."""
+    return torch.cat(output) if isinstance(output, list) else output
+
+
+def bench_encoder(session, op: str, providers: tuple[str, ...], encoder_cases: tuple[Case, ...]) -> None:
+    """Every chosen provider of one encoder at every mix, repetitions interleaved across the providers."""
+    device, tiny = session.options.device, session.options.tiny
+    providers = tuple(p for p in ENCODER_PROVIDERS if p in providers)
+    if not providers:
+        return
+    shape = encoder_shape(op, device, tiny)
+    hidden, layers = shape["hidden_size"], shape["num_hidden_layers"]
+
+    def skip_all(mixes, reason):
+        for mix in mixes:
+            for provider in providers:
+                session.skip(op, provider, mix, hidden, reason)
+
+    inputs = {}
+    for mix in map(Mix, encoder_cases):
+        try:
+            inputs[mix] = mix.inputs(device)
+        except Exception as exc:  # no processor or Pillow, a soft-token budget it does not take: a logged skip
+            skip_all((mix,), exc)
+    if not inputs:
+        return
+    if session.out_of_time():  # before building it: a 26B/31B tower takes seconds to initialise
+        return skip_all(inputs, session.time_budget_reason())
+    note = layer_note(op, layers, tiny)
+    session.log(f"{op}: building {ENCODER_TOWERS[op]} with {note}; random weights, {session.dtype_name}, sdpa")
+    torch.manual_seed(0)  # the compiled section builds it again: the same weights
+    try:
+        model = build_tower(ENCODER_TOWERS[op], device, session.dtype, tiny=tiny, layers=layers)
+    except Exception as exc:
+        return skip_all(inputs, exc)
+    for mix, (pixels, ids) in inputs.items():
+        if session.out_of_time():
+            skip_all((mix,), session.time_budget_reason())
+            continue
+        real = int((ids != -1).any(dim=-1).sum())
+        session.log(
+            f"  {op} {mix.name}: {ids.shape[0]} items of N={ids.shape[1]} patches, "
+            f"{100 * real / ids.shape[:2].numel():.1f}% real; aspect ratios "
+            f"{', '.join(f'{w}:{h}' for w, h in dict.fromkeys(mix.aspect_ratios))}"
+        )
+        measure_mix(session, op, providers, mix, model, pixels, ids, dict(D=hidden, layers=layers, real_patches=real))
+    del model, inputs
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measure_mix(session, op, providers, mix, model, pixels, ids, fields: dict) -> None:
+    """Each provider's untimed first calls (a warm-up on a GPU, then its peak), then the interleaved repetitions."""
+    device = session.options.device
+    existing = [*model.parameters(), *model.buffers(), pixels, ids]
+    calls: dict[str, object] = {}
+    measured: dict[str, tuple[Peak, int, float]] = {}
+    first: tuple[str, torch.Tensor] | None = None
+    for provider in providers:
+        failure = None
+        try:
+            call = provider_call(provider, model, pixels, ids)
+            start = time.perf_counter()
+            if device.type == "cuda":  # compiles and cuBLAS's workspace stay out of the peak
+                call()
+            peak, output = call_peak(call, device, existing)  # on a CPU, the first call warms up too
+            synchronize(device)
+            first_call_s = time.perf_counter() - start
+        except Exception as exc:  # an out-of-memory error, a compile this stack fails: a logged skip
+            failure = exc
+        if failure is not None:  # skipped outside the handler, whose traceback holds the call's tensors
+            session.skip(op, provider, mix, fields["D"], failure)
+            continue
+        calls[provider] = call
+        measured[provider] = (peak, tensor_bytes(output), first_call_s)
+        first = first or (provider, flat(output))
+        if first[0] != provider:
+            difference = (flat(output).float() - first[1].float()).abs().max().item()
+            scale = first[1].float().abs().max().item()
+            session.log(f"    {provider} vs {first[0]} output: max |diff| {difference:.3g} (max |value| {scale:.3g})")
+        del output
+    if not calls:
+        return
+    reps = (QUICK_REPS if session.options.quick else REPS)[device.type]
+    failure = None
+    try:
+        times = interleaved_times(calls, device, reps)
+    except Exception as exc:  # one provider's failure stops the rounds of all: none has its reps
+        failure = exc
+    if failure is not None:
+        for provider in calls:
+            session.skip(op, provider, mix, fields["D"], failure)
+        return
+    items = ids.shape[0]
+    for provider, (peak, output_bytes, first_call_s) in measured.items():
+        row = dict(op=op, provider=provider, case=mix.name, B=items, N=ids.shape[1], dtype=session.dtype_name)
+        row |= fields | dict(ms_p50=times[provider].p50, ms_p20=times[provider].p20, ms_p80=times[provider].p80)
+        row |= dict(peak_bytes=peak.allocated, peak_requested_bytes=peak.requested, output_bytes=output_bytes)
+        session.record(row | dict(items_per_s=items / times[provider].p50 * 1e3), first_call_s)

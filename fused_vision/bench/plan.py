@@ -1,0 +1,103 @@
+"""What a run measures: the ops and providers there are, the options a run is given, and the plan they make."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS
+from .ops import STEM_OPS
+from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS
+from .workloads import (
+    CPU_CASES,
+    CPU_ENCODER_CASES,
+    GPU_CASES,
+    GPU_ENCODER_CASES,
+    GPU_TOWER_CASES,
+    TINY_CASES,
+    Case,
+)
+
+TOWER_OPS = tuple(VISION_TOWERS)
+ENCODER_OPS = tuple(ENCODER_TOWERS)
+OPS = (*STEM_OPS, *TOWER_OPS, *ENCODER_OPS, "low_memory")
+OP_GROUPS = {"stem": tuple(STEM_OPS), "tower": TOWER_OPS, "encoder": ENCODER_OPS}
+PROVIDERS = ("onehot", "embedding", "compiled", "fused", "fused_kernel", "stock", "padded", "packed")
+CPU_OPS = (*STEM_OPS, "encoder_e2b_e4b")
+CPU_PROVIDERS = ("onehot", "embedding", "stock", "padded", "packed")
+DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, that of the baselines (bench/baselines.md)
+TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
+# The whole comparison must end within 5 minutes on an H200: this leaves ~90 s for start-up,
+# the task running at the deadline (a compile can take 20 s) and the reports.
+DEFAULT_TIME_BUDGET_S = 210.0
+
+
+@dataclass(frozen=True)
+class Options:
+    """What to run. ``None`` leaves the choice to the device's defaults (see ``Plan``)."""
+
+    device: torch.device
+    out: Path
+    ops: tuple[str, ...] | None = None
+    providers: tuple[str, ...] | None = None
+    cases: tuple[Case, ...] | None = None
+    hidden_sizes: tuple[int, ...] | None = None
+    dtype: torch.dtype | None = None
+    quick: bool = False
+    tiny: bool = False
+    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
+    command: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What a run does: the options, with the device's defaults where they leave a choice open.
+
+    GPUs run everything at the checkpoints' shapes in bf16 (their dtype; pixels stay float32, as the
+    processors emit them). CPUs run the stem ops' one-hot and F.embedding code at small shapes, and the
+    E2B/E4B encoder's stock, padded and packed calls at one layer, in fp32: compiles take minutes there,
+    Triton runs on a CPU only in its interpreter, whose times mean nothing, and a CPU without bf16 matmul
+    instructions emulates them (one bf16 one-hot lookup at video_2x70 took 15 s on a 2-core x86, 50x its
+    fp32 time). ``--tiny`` shrinks the towers and the stem ops' cases, not the encoder's processor mixes.
+    """
+
+    ops: tuple[str, ...]
+    providers: tuple[str, ...]
+    stem_cases: tuple[Case, ...]
+    tower_cases: tuple[Case, ...]
+    encoder_cases: tuple[Case, ...]
+    hidden_sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, options: Options) -> "Plan":
+        on_gpu, tiny = options.device.type == "cuda", options.tiny
+        return cls(
+            ops=options.ops or (OPS if on_gpu else CPU_OPS),
+            providers=options.providers or (PROVIDERS if on_gpu else CPU_PROVIDERS),
+            stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
+            tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES[:1]),
+            encoder_cases=options.cases or (GPU_ENCODER_CASES if on_gpu else CPU_ENCODER_CASES),
+            hidden_sizes=options.hidden_sizes or ((TINY_HIDDEN,) if tiny else (DEFAULT_HIDDEN,)),
+            dtype=options.dtype or (torch.bfloat16 if on_gpu else torch.float32),
+        )
+
+    @property
+    def stem_ops(self) -> tuple[str, ...]:
+        return tuple(op for op in STEM_OPS if op in self.ops)
+
+    @property
+    def tower_ops(self) -> tuple[str, ...]:
+        return tuple(op for op in TOWER_OPS if op in self.ops)
+
+    @property
+    def encoder_ops(self) -> tuple[str, ...]:
+        return tuple(op for op in ENCODER_OPS if op in self.ops)
+
+    def task_count(self) -> int:
+        chosen = set(self.providers)
+        stem = sum(len(chosen & set(STEM_OPS[op].providers)) for op in self.stem_ops)
+        count = stem * len(self.stem_cases) * len(self.hidden_sizes)
+        count += len(self.tower_ops) * len(chosen & set(TOWER_PROVIDERS)) * len(self.tower_cases)
+        count += len(self.encoder_ops) * len(chosen & set(ENCODER_PROVIDERS)) * len(self.encoder_cases)
+        return count + (len(LOW_MEMORY_PATHS) * len(LOW_MEMORY_WORKLOADS) if "low_memory" in self.ops else 0)

@@ -1,0 +1,19 @@
+"""The bench tests' shared helpers: a tiny, quick run through the command line, and its CSV files read back."""
+
+import csv
+
+from fused_vision.__main__ import main
+
+from conftest import DEVICE
+
+
+def read_csv(path):
+    with path.open(newline="") as file:
+        reader = csv.DictReader(file)
+        return tuple(reader.fieldnames), list(reader)
+
+
+def run_cli(tmp_path, *args: str):
+    out = tmp_path / "bench"
+    assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", "--out", str(out), *args]) == 0
+    return out
