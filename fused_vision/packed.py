@@ -26,7 +26,17 @@ from torch import nn
 from . import patching
 from .attention import SUPPORTED_ATTENTION, configured_attention, packed_attention
 
-__all__ = ["attention_supported", "check_attention", "encode", "encoder_target", "packed_model_forward", "soft_tokens"]
+__all__ = [
+    "attention_supported",
+    "boundaries",
+    "check_attention",
+    "encode",
+    "encoder_target",
+    "pack_items",
+    "packed_model_forward",
+    "scatter_rows",
+    "soft_tokens",
+]
 
 # Keywords of Gemma4VisionModel.forward under which the packed forward still returns stock's outputs
 _PASSIVE_KWARGS = ("return_dict", "output_hidden_states", "output_attentions")
@@ -65,9 +75,29 @@ def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtyp
     return tokens, mask.sum(dim=1).tolist()
 
 
+def pack_items(pixel_values: Sequence[torch.Tensor], position_ids: Sequence[torch.Tensor]):
+    """Each item's real patches (ids not (-1, -1)), concatenated: its (N_i,) real-row masks, their counts,
+    and the (1, T, K) pixels and (1, T, 2) ids of the packed sequence, in item order."""
+    real = [~(ids == -1).all(dim=-1) for ids in position_ids]
+    lengths = torch.stack([mask.sum() for mask in real]).tolist()
+    pixels = torch.cat([p[mask] for p, mask in zip(pixel_values, real)])[None]
+    ids = torch.cat([i[mask] for i, mask in zip(position_ids, real)])[None]
+    return real, lengths, pixels, ids
+
+
+def boundaries(lengths: Sequence[int], device) -> torch.Tensor:
+    """The items' int32 offsets into the packed sequence, flash-attn's ``cu_seqlens``: (B + 1,)."""
+    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
+
+def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(sum of mask, D) rows put back at the True slots of a (B, N) mask, zeros elsewhere: (B, N, D)."""
+    return rows.new_zeros(*mask.shape, rows.shape[-1]).masked_scatter(mask[..., None], rows)
+
+
 def _run_encoder(tower, inputs_embeds, position_ids, lengths):
     """The tower's own encoder on the (1, T, D) packed sequence, its attention within each item."""
-    offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=inputs_embeds.device)
+    offsets = boundaries(lengths, inputs_embeds.device)
     longest = max(lengths)
     configs = [tower.encoder.config] + [layer.self_attn.config for layer in tower.encoder.layers]
     with packed_attention(configs):
@@ -91,10 +121,7 @@ def encode(
 ) -> list[torch.Tensor]:
     """Soft tokens of each item, (N_i, K) pixels and (N_i, 2) ids on the tower's device, in one packed
     forward: a list of (T_i, D) tensors as the release's ``Gemma4VisionModel.forward`` returns them."""
-    real = [~(ids == -1).all(dim=-1) for ids in position_ids]
-    lengths = torch.stack([mask.sum() for mask in real]).tolist()
-    pixels = torch.cat([p[mask] for p, mask in zip(pixel_values, real)])[None]
-    ids = torch.cat([i[mask] for i, mask in zip(position_ids, real)])[None]
+    real, lengths, pixels, ids = pack_items(pixel_values, position_ids)
     no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
     inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
     segments = torch.split(_run_encoder(tower, inputs_embeds, ids, lengths)[0], lengths)
@@ -107,7 +134,7 @@ def encode(
     for patches, members in groups.items():
         mask = torch.stack([real[m] for m in members])
         rows = torch.cat([segments[m] for m in members])
-        padded = rows.new_zeros(len(members), patches, rows.shape[-1]).masked_scatter(mask[..., None], rows)
+        padded = scatter_rows(rows, mask)
         group_ids = torch.stack([position_ids[m] for m in members])
         tokens, counts = soft_tokens(
             tower, padded, group_ids, ~mask, patches // (kernel * kernel), inputs_embeds.dtype, pooler_float32

@@ -29,7 +29,7 @@ import os
 import torch
 from torch import nn
 
-from . import gemma4, patching
+from . import gemma4, patching, sglang_packed
 from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 
 __all__ = ["apply_fused_vision_to_sglang_gemma4", "revert_fused_vision_sglang_gemma4", "sglang_plugin"]
@@ -120,6 +120,7 @@ def apply_fused_vision_to_sglang_gemma4(
     *,
     embedder: str | None = "patch_embed",
     pooler: bool = True,
+    encoder: str = "stock",
     backend: str = "auto",
 ) -> int:
     """Put fused_vision's ops into SGLang's Gemma 4 vision tower (``sglang.srt.models.gemma4_vision``).
@@ -138,10 +139,14 @@ def apply_fused_vision_to_sglang_gemma4(
             transformers' pooler does, not as SGLang's (see ``_pooler_forward``);
             ``EmbeddingGemma2VisionPooler`` equals stock up to float32 summation order. False keeps
             SGLang's numerics bit for bit.
+        encoder: "stock" leaves ``Gemma4VisionEncoder.forward`` stock; "packed" makes it strip each item's
+            padding and attend within each item's real patches on every attention backend, FA3 and Triton
+            included, which drop stock's padding mask (``fused_vision.sglang_packed``), with stock's outputs.
         backend: "auto", "triton" or "reference", for every patched op.
 
     Raises:
-        ValueError: nothing selected, an unknown ``embedder`` or backend, or ``model`` holds no module to patch.
+        ValueError: nothing selected, an unknown ``embedder``, ``encoder`` or backend, or ``model`` holds no
+            module to patch.
         TypeError: ``model`` is neither None nor an ``nn.Module``.
         ImportError: SGLang or its Gemma 4 is missing.
     """
@@ -150,9 +155,14 @@ def apply_fused_vision_to_sglang_gemma4(
     poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
     caller = "apply_fused_vision_to_sglang_gemma4"
     release = dict(onehot_lookup=gemma4.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
-    targets = gemma4.tower_targets(
-        caller, vision.Gemma4VisionPatchEmbedder, poolers, release, embedder=embedder, pooler=pooler, backend=backend
-    )
+    if encoder not in gemma4.ENCODERS:
+        raise ValueError(f"encoder: expected one of {gemma4.ENCODERS}, got {encoder!r}")
+    encoder_target = None
+    if encoder == "packed":
+        state = gemma4.FusedOp("packed_encoder", backend, **release)
+        encoder_target = sglang_packed.encoder_target(vision.Gemma4VisionEncoder, state)
+    options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=encoder_target)
+    targets = gemma4.tower_targets(caller, vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
     hint = (
         "Pass SGLang's Gemma4ForConditionalGeneration, EmbeddingGemma2Model or Gemma4VisionEncoder (for "
         "transformers' Gemma 4, apply_fused_vision_to_gemma4), or call it with model=None before the model is built."

@@ -191,3 +191,104 @@ def test_padding_keys_are_attended_where_the_backend_drops_the_mask():
     assert_bit_identical(sdpa_moved, torch.zeros(4), "real patches under SDPA, padding repainted")
     assert triton_moved[0] == 0 and (triton_moved[1:] > 1e-2).all(), triton_moved
     assert apart[0] < 1e-5 and (apart[1:] > 1e-2).all(), apart
+
+
+# ---- the packed encoder (encoder="packed") -----------------------------------------------------------------
+
+
+def masked_reference(encoder, pixels, ids):
+    """Stock's forward with the padding masked throughout, as transformers' tower masks it: SGLang's sdpa
+    attention (which applies the mask) and the padding zeroed before pooling. Returns it and its float64 twin's."""
+    assert type(encoder.encoder.layers[0].self_attn.qkv_backend) is attention_backends["sdpa"]
+    mask_first, encoder.pooler.mask_pad_before_pool = encoder.pooler.mask_pad_before_pool, True
+    try:
+        with torch.no_grad():
+            return encoder(pixels, ids), float64_twin(encoder)(pixels.double(), ids)[0]
+    finally:
+        encoder.pooler.mask_pad_before_pool = mask_first
+
+
+def backend_calls(monkeypatch, backend):
+    """What each call of SGLang's ``backend`` attention is handed: (rows of q, cu_seqlens, attention_mask)."""
+    calls, forward = [], attention_backends[backend].forward
+
+    def spy(self, **kwargs):
+        cu_seqlens = kwargs.get("cu_seqlens")
+        calls.append(
+            (kwargs["q"].shape[0], None if cu_seqlens is None else cu_seqlens.tolist(), kwargs["attention_mask"])
+        )
+        return forward(self, **kwargs)
+
+    monkeypatch.setattr(attention_backends[backend], "forward", spy)
+    return calls
+
+
+@pytest.mark.parametrize("ops", [False, True], ids=["encoder_only", "with_ops"])
+@pytest.mark.parametrize("mask_first", [False, True], ids=["gemma4_mm", "mask_pad_before_pool"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+def test_packed_encoder_matches_the_masked_forward_under_sdpa(monkeypatch, dtype, mask_first, ops):
+    """SGLang's sdpa backend takes no per-item cu_seqlens, so each item runs alone, unpadded and unmasked:
+    the soft tokens are the masked forward's (fp32 within 1e-5, bf16 as accurate as it), where padding
+    adds nothing to slot 0 even if the pooler does not mask it (stock adds it there)."""
+    encoder = make_encoder(dtype, mask_first=mask_first, standardize=True)
+    pixels, ids, padding = inputs(dtype)
+    (stock, stock_mask), exact = masked_reference(encoder, pixels, ids)
+    options = {} if ops else dict(embedder=None, pooler=False)
+    assert apply_fused_vision_to_sglang_gemma4(encoder="packed", **options) == (4 if ops else 1)
+    assert "fused_vision=packed_encoder(backend=auto)" in repr(encoder)
+    calls = backend_calls(monkeypatch, "sdpa")
+    with torch.no_grad():
+        packed, mask = encoder(pixels, ids)
+    real = (~padding).sum(1).tolist()
+    assert [(rows, cu, m) for rows, cu, m in calls] == [(n, None, None) for n in real] * len(encoder.encoder.layers)
+    assert packed.dtype == stock.dtype and packed.shape == stock.shape
+    assert_soft_tokens_match_stock(packed, mask, stock, stock_mask, exact, "packed soft tokens (sdpa)")
+
+
+def test_packed_encoder_ignores_padding_where_the_backend_drops_the_mask(monkeypatch):
+    """Under SGLang's Triton backend (its kernel under Triton's interpreter), which drops stock's mask, the
+    packed forward hands the kernel the items' cu_seqlens over one sequence: its soft tokens do not move
+    when the padding pixels do, and they are the masked forward's, which stock's are not."""
+    pixels, ids, padding = inputs(grids=[(9, 9), (9, 6), (6, 3), (3, 12)])
+    repainted = pixels.masked_fill(padding.unsqueeze(-1), 0.7)
+    (reference, reference_mask), _ = masked_reference(make_encoder(torch.float32), pixels, ids)
+    with runtime.get_mm().override(mm_attention_backend="triton_attn"):
+        encoder = make_encoder(torch.float32)  # the same weights: the same seed
+    with torch.no_grad():
+        stock, _ = encoder(pixels, ids)
+        assert apply_fused_vision_to_sglang_gemma4(encoder, embedder=None, pooler=False, encoder="packed") == 1
+        calls = backend_calls(monkeypatch, "triton_attn")
+        packed, mask = encoder(pixels, ids)
+        moved, _ = encoder(repainted, ids)
+    lengths = (~padding).sum(1).tolist()
+    offsets = [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+    assert calls == [(offsets[-1], offsets, None)] * 2 * len(encoder.encoder.layers)  # two packed forwards
+    assert_bit_identical(moved, packed, "packed soft tokens, padding repainted (Triton)")
+    assert_bit_identical(mask, reference_mask, "packed pooler mask (Triton)")
+    assert_close(packed, reference, rtol=1e-5, atol=1e-5, what="packed soft tokens (Triton) vs the masked forward")
+    apart = (stock - reference).abs().amax(dim=(1, 2))
+    assert apart[0] < 1e-5 and (apart[1:] > 1e-2).all(), apart  # stock's padded items attend their padding
+
+
+def test_packed_encoder_reverts_and_runs_stock_where_it_cannot_pack():
+    encoder = make_encoder(torch.float32)
+    pixels, ids, padding = inputs()
+    with torch.no_grad():
+        stock, stock_mask = encoder(pixels, ids)
+        assert apply_fused_vision_to_sglang_gemma4(embedder=None, pooler=False, encoder="packed") == 1
+        empty_ids = ids.clone()
+        empty_ids[1] = -1  # an item with no real patch: stock's own forward
+        expected = patching_stock(encoder, pixels, empty_ids)
+        assert_bit_identical(encoder(pixels, empty_ids)[0], expected, "an item without real patches")
+        assert revert_fused_vision_sglang_gemma4() == 1
+        assert "fused_vision" not in repr(encoder)
+        reverted, reverted_mask = encoder(pixels, ids)
+    assert_bit_identical(reverted, stock, "reverted encoder")
+    assert_bit_identical(reverted_mask, stock_mask, "reverted encoder's mask")
+    with pytest.raises(ValueError, match="encoder: expected one of"):
+        apply_fused_vision_to_sglang_gemma4(encoder="flat")
+
+
+def patching_stock(encoder, pixels, ids):
+    """SGLang's own forward, whatever is patched."""
+    return vision.Gemma4VisionEncoder.__dict__["_fused_vision_stock_forward"](encoder, pixels, ids)[0]

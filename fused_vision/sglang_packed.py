@@ -1,0 +1,170 @@
+"""The packed encoder inside SGLang's own ``Gemma4VisionEncoder`` (``encoder="packed"`` in
+``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``).
+
+SGLang's stock forward runs every item at its padded length N and hands each layer's attention backend
+the padding as a (B, 1, N, N) mask with ``cu_seqlens=None``. Only its sdpa and Ascend backends apply that
+mask: FA3 (Hopper's default) and Triton (other GPUs') drop it, so each padded item's real patches attend
+its padding keys and its soft tokens depend on its padding pixels.
+
+The packed forward strips each item's padding rows (ids (-1, -1)), runs SGLang's own embedder on the
+real patches and SGLang's own encoder (its layers, norms, projections and 2-D RoPE from each patch's own
+ids) without a mask, either
+
+- on one (1, T, D) sequence, each layer's backend handed the items' int32 ``cu_seqlens`` (and their
+  longest length) in place of stock's None: the backends that attend within each cu_seqlens segment
+  (``VARLEN_BACKENDS``); or
+- on each item alone, (1, T_i, D): every other backend. SGLang's sdpa backend, which Gemma 4 builds with
+  ``flatten_batch=False``, turns cu_seqlens into a per-batch-row padding mask, not a per-item one.
+
+SGLang's pooler then runs on the rows put back at their padded length, zeros at the padding, in one call
+as stock's: the same (pooled, mask) types, shapes and dtype, each item's soft tokens those of stock's
+masked attention on it alone (up to summation order), whatever the backend. Zero padding rows also mean
+that, where the pooler does not mask the padding first (``mask_pad_before_pool=False``, SGLang's
+``gemma4_mm``), the padding adds nothing to slot 0, as in transformers' pooler (stock adds its padding
+rows' hidden states there). Inputs the packed forward does not take run stock.
+
+Backends are handed the boundaries by shadowing each layer's ``qkv_backend`` for the duration of one
+forward: concurrent packed forwards of one module in several threads are not supported, and neither is
+SGLang's ViT CUDA graph (``SGLANG_VIT_ENABLE_CUDA_GRAPH``, under which stock runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from torch import nn
+
+from . import packed, patching
+
+__all__ = ["VARLEN_BACKENDS", "encoder_target", "packed_encoder_forward"]
+
+# SGLang's attention backends (``QKV_BACKEND_IMPL`` names) that attend within each cu_seqlens segment of
+# one (T, H, d) sequence: flash-attn's varlen layout.
+VARLEN_BACKENDS = ("triton_attn", "fa3", "fa4", "aiter_attn")
+
+
+class _Varlen:
+    """A layer's attention backend, called with the packed sequence's boundaries: SGLang's attention
+    passes every argument by keyword, ``cu_seqlens=None`` among them."""
+
+    def __init__(self, backend: nn.Module, cu_seqlens: torch.Tensor, max_seqlen: int):
+        self.backend, self.cu_seqlens, self.max_seqlen = backend, cu_seqlens, max_seqlen
+
+    def forward(self, **kwargs):
+        return self.backend.forward(**{**kwargs, "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen})
+
+    __call__ = forward
+
+
+def _keyword_names(code) -> set[str]:
+    names = set()
+    for const in code.co_consts:
+        if isinstance(const, tuple):
+            names.update(item for item in const if isinstance(item, str))
+    return names
+
+
+@functools.cache
+def _attention_takes_boundaries(attention_cls: type) -> bool:
+    """Whether ``attention_cls.forward`` calls its ``qkv_backend.forward`` with keywords only, cu_seqlens
+    and attention_mask among them: where it does not, the backend cannot be handed the boundaries."""
+    code = getattr(getattr(attention_cls, "forward", None), "__code__", None)
+    if code is None or "qkv_backend" not in code.co_names:
+        return False
+    return {"cu_seqlens", "attention_mask", "bsz", "seq_len"} <= _keyword_names(code)
+
+
+def _vit_cuda_graph() -> bool:
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_VIT_ENABLE_CUDA_GRAPH.get())
+    except (ImportError, AttributeError):
+        return False
+
+
+def _varlen(vision, transformer) -> bool:
+    """Whether every layer's backend takes the packed sequence with cu_seqlens."""
+    for layer in transformer.layers:
+        attention = layer.self_attn
+        backend = type(getattr(attention, "qkv_backend", None))
+        if not _attention_takes_boundaries(type(attention)):
+            return False
+        if not any(backend is vision.QKV_BACKEND_IMPL.get(name) for name in VARLEN_BACKENDS):
+            return False
+    return True
+
+
+@contextlib.contextmanager
+def _boundaries_in(transformer, cu_seqlens: torch.Tensor, max_seqlen: int):
+    """Each layer's ``qkv_backend`` shadowed (an instance attribute over its registered submodule) by one
+    handed ``cu_seqlens``, until the block ends."""
+    attentions = [layer.self_attn for layer in transformer.layers]
+    try:
+        for attention in attentions:
+            attention.__dict__["qkv_backend"] = _Varlen(attention.qkv_backend, cu_seqlens, max_seqlen)
+        yield
+    finally:
+        for attention in attentions:
+            attention.__dict__.pop("qkv_backend", None)
+
+
+def _encode(vision, transformer, inputs_embeds, ids, lengths) -> torch.Tensor:
+    """SGLang's encoder on the (1, T, D) packed sequence, attention within each item: (T, D)."""
+    if _varlen(vision, transformer):
+        with _boundaries_in(transformer, packed.boundaries(lengths, inputs_embeds.device), max(lengths)):
+            return transformer(inputs_embeds=inputs_embeds, attention_mask=None, patch_positions=ids)[0]
+    items = zip(torch.split(inputs_embeds[0], lengths), torch.split(ids[0], lengths))
+    return torch.cat(
+        [transformer(inputs_embeds=e[None], attention_mask=None, patch_positions=i[None])[0] for e, i in items]
+    )
+
+
+def _takes(vision, encoder, pixel_values, pixel_position_ids, args, kwargs) -> bool:
+    """Whether the packed forward returns what stock would: SGLang's own modules, padded (B, N, ·) tensors
+    with N a multiple of k^2; else stock runs (and raises where it raises)."""
+    if args or kwargs or _vit_cuda_graph():
+        return False
+    if not isinstance(getattr(encoder, "encoder", None), vision.Gemma4VisionTransformer):
+        return False
+    if not all(isinstance(layer.self_attn, vision.Gemma4VisionAttention) for layer in encoder.encoder.layers):
+        return False
+    if not isinstance(pixel_values, torch.Tensor) or not isinstance(pixel_position_ids, torch.Tensor):
+        return False
+    if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3 or pixel_position_ids.shape[-1] != 2:
+        return False
+    if pixel_values.shape[:2] != pixel_position_ids.shape[:2] or pixel_position_ids.is_floating_point():
+        return False
+    k2 = encoder.pooling_kernel_size**2
+    return pixel_values.shape[0] > 0 and pixel_values.shape[1] >= k2 and pixel_values.shape[1] % k2 == 0
+
+
+def packed_encoder_forward(self, pixel_values, pixel_position_ids, *args, **kwargs):
+    """SGLang's ``Gemma4VisionEncoder.forward`` through the packed encoder: (pooled, pooler_mask) as stock
+    returns them, each item's attention within its real patches whatever the backend."""
+    from .sglang import _sglang_vision
+
+    vision = _sglang_vision()
+    state = patching.fused_state(self)
+    inputs = (pixel_values, pixel_position_ids, *args)
+    if state is None or not _takes(vision, self, pixel_values, pixel_position_ids, args, kwargs):
+        return patching.stock_method(self, "forward")(*inputs, **kwargs)
+    real, lengths, pixels, ids = packed.pack_items(list(pixel_values), list(pixel_position_ids))
+    if min(lengths) == 0:  # an item with no real patch: stock's own forward
+        return patching.stock_method(self, "forward")(*inputs, **kwargs)
+    no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    inputs_embeds = self.patch_embedder(pixels, ids, no_padding)
+    mask = torch.stack(real)
+    hidden = packed.scatter_rows(_encode(vision, self.encoder, inputs_embeds, ids, lengths), mask)
+    output_length = pixel_values.shape[-2] // self.pooling_kernel_size**2
+    pooled, pooler_mask = self.pooler(hidden, pixel_position_ids, ~mask, output_length=output_length)
+    if getattr(self, "standardize", False):
+        pooled = (pooled - self.std_bias) * self.std_scale
+    return pooled, pooler_mask
+
+
+def encoder_target(encoder_cls: type, state) -> patching.Target:
+    """What ``encoder="packed"`` patches: SGLang's ``Gemma4VisionEncoder.forward``."""
+    return patching.Target(encoder_cls, {"forward": packed_encoder_forward}, state)
