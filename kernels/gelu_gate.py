@@ -83,5 +83,6 @@ def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None) -> torch.Tenso
         BLOCK_ROWS=block_rows,
         BLOCK_I=block_i,
         num_warps=num_warps,
+        enable_fp_fusion=False,  # no fma: the products the interpreter's tests check, under every Triton's default
     )
     return out
