@@ -27,7 +27,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import packed, patching
+from . import fused_layer, packed, patching
 from ._dispatch import BACKENDS
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES
 from .ops.patch_embed import patch_embed as _fused_patch_embed
@@ -38,15 +38,16 @@ __all__ = ["EMBEDDER_OPS", "ENCODERS", "apply_fused_vision_to_gemma4", "revert_f
 
 # What ``embedder=`` takes: the whole embedder in one kernel, or the lookup alone inside the stock one.
 EMBEDDER_OPS = ("patch_embed", "position_embeddings")
-# What ``encoder=`` takes: stock's padded encoder, or the packed one (``fused_vision.packed``).
-ENCODERS = ("stock", "packed")
+# What ``encoder=`` takes: stock's padded encoder, the packed one (``fused_vision.packed``), or the packed
+# one with fused layers (``fused_vision.fused_layer``).
+ENCODERS = ("stock", "packed", "fused")
 
 
 @dataclasses.dataclass(frozen=True)
 class FusedOp:
     """The state a patched module runs with: its op and backend, and its release family."""
 
-    op: str  # "patch_embed", "position_embeddings", "pool_by_positions" or "packed_encoder"
+    op: str  # "patch_embed", "position_embeddings", "pool_by_positions", "packed_encoder" or "fused_encoder"
     backend: str
     # The release family, told once at patch time so that forwards (and torch.compile) see constants.
     onehot_lookup: bool = dataclasses.field(default=False, compare=False)
@@ -332,8 +333,10 @@ def apply_fused_vision_to_gemma4(
         pooler: the pooler as ``fused_vision.pool_by_positions``.
         backend: "auto", "triton" or "reference", for every patched op.
         encoder: "stock" leaves ``Gemma4VisionModel.forward`` stock; "packed" makes it strip the padding and
-            run the packed encoder (``fused_vision.packed``), with stock's outputs; it needs sdpa, eager or
-            flash attention configured.
+            run the packed encoder (``fused_vision.packed``), with stock's outputs; "fused" runs the packed
+            encoder with fused layers (``fused_vision.fused_layer``: concatenated QKV and gate/up GEMMs,
+            whose weights the parameters then view, and the layer kernels). Both need sdpa, eager or flash
+            attention configured; ``encode_images`` on a tower patched so runs the same encoder.
 
     Returns:
         The number of modules (with ``model``) or classes (without) this call set to a fused op. Calling
@@ -341,7 +344,7 @@ def apply_fused_vision_to_gemma4(
         arguments reconfigures the selected modules and leaves the unselected ones as they were.
 
     Raises:
-        ValueError: nothing selected, an unknown ``embedder``, ``encoder`` or backend, an ``encoder="packed"``
+        ValueError: nothing selected, an unknown ``embedder``, ``encoder`` or backend, a packed or fused
             tower configured with another attention implementation, or ``model`` holds no module to patch
             (e.g. ``gemma4_unified`` checkpoints, which have no vision tower).
         TypeError: ``model`` is neither None nor an ``nn.Module``.
@@ -354,8 +357,8 @@ def apply_fused_vision_to_gemma4(
     if encoder not in ENCODERS:
         raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
     encoder_target = None
-    if encoder == "packed":
-        state = FusedOp("packed_encoder", backend, **release)
+    if encoder != "stock":
+        state = FusedOp(f"{encoder}_encoder", backend, **release)
         encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state)
     embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
     targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=encoder_target)
@@ -380,4 +383,6 @@ def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
     and instance patches undone. With a model: its modules run stock code, even while the classes stay
     patched; returns the number of its modules that were running a fused op.
     """
-    return patching.revert(model, _is_transformers_class)
+    undone = patching.revert(model, _is_transformers_class)
+    fused_layer.release(model)  # the parameters own their storage again
+    return undone

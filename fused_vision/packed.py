@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import patching
+from . import fused_layer, patching
 from .attention import SUPPORTED_ATTENTION, configured_attention, packed_attention
 
 __all__ = [
@@ -96,21 +96,29 @@ def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _run_encoder(tower, inputs_embeds, position_ids, lengths):
-    """The tower's own encoder on the (1, T, D) packed sequence, its attention within each item."""
+    """The tower's own encoder on the (1, T, D) packed sequence, its attention within each item; its layers
+    fused (``fused_vision.fused_layer``) where the tower is patched with ``encoder="fused"``."""
     offsets = boundaries(lengths, inputs_embeds.device)
     longest = max(lengths)
     configs = [tower.encoder.config] + [layer.self_attn.config for layer in tower.encoder.layers]
+    packed_kwargs = dict(
+        attention_mask=None,  # the packed attention needs none; no (T, T) mask is built
+        cu_seq_lens_q=offsets,
+        cu_seq_lens_k=offsets,
+        max_length_q=longest,
+        max_length_k=longest,
+        fused_vision_lengths=lengths,
+    )
+    state = patching.fused_state(tower)
     with packed_attention(configs):
-        return tower.encoder(
-            inputs_embeds=inputs_embeds,
-            attention_mask=None,  # the packed attention needs none; no (T, T) mask is built
-            pixel_position_ids=position_ids,
-            cu_seq_lens_q=offsets,
-            cu_seq_lens_k=offsets,
-            max_length_q=longest,
-            max_length_k=longest,
-            fused_vision_lengths=lengths,
-        ).last_hidden_state
+        if state is not None and state.op == "fused_encoder":
+            segments = (offsets, lengths, longest)
+            hidden_states = fused_layer.run_layers(
+                tower.encoder, inputs_embeds[0], position_ids[0], segments, state.backend, packed_kwargs
+            )
+            return hidden_states[None]
+        output = tower.encoder(inputs_embeds=inputs_embeds, pixel_position_ids=position_ids, **packed_kwargs)
+        return output.last_hidden_state
 
 
 def encode(
@@ -179,12 +187,15 @@ def _packs(tower, pixel_values, pixel_position_ids, kwargs) -> bool:
 
 
 def encoder_target(tower_cls: type, model, state) -> patching.Target:
-    """What ``encoder="packed"`` patches: ``tower_cls.forward`` (``Gemma4VisionModel``'s), once every tower
-    in ``model`` is known to be configured with an attention the packed encoder replaces."""
+    """What ``encoder="packed"`` or ``"fused"`` patches: ``tower_cls.forward`` (``Gemma4VisionModel``'s),
+    once every tower in ``model`` is known to be configured with an attention the packed encoder replaces;
+    a fused tower's layers get their concatenated weights here."""
     stock_output_class(tower_cls)  # raises where the stock forward is not one this module knows
-    for module in model.modules() if isinstance(model, nn.Module) else ():
-        if isinstance(module, tower_cls):
-            check_attention(module.config)
+    towers = [m for m in model.modules() if isinstance(m, tower_cls)] if isinstance(model, nn.Module) else []
+    for tower in towers:
+        check_attention(tower.config)
+    for tower in towers if state.op == "fused_encoder" else ():
+        fused_layer.prepare(tower)
     return patching.Target(tower_cls, {"forward": packed_model_forward}, state)
 
 

@@ -39,6 +39,8 @@ logger = logging.getLogger("fused_vision")
 SGLANG_MODULE = "sglang.srt.models.gemma4_vision"
 SGLANG_EMBEDDING_MODULE = "sglang.srt.models.embedding_gemma2"
 ENV_SGLANG = "FUSED_VISION_SGLANG"
+# What ``encoder=`` takes here: SGLang's own padded encoder, or it packed (``fused_vision.sglang_packed``).
+ENCODERS = ("stock", "packed")
 
 
 def _sglang_vision():
@@ -155,8 +157,8 @@ def apply_fused_vision_to_sglang_gemma4(
     poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
     caller = "apply_fused_vision_to_sglang_gemma4"
     release = dict(onehot_lookup=gemma4.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
-    if encoder not in gemma4.ENCODERS:
-        raise ValueError(f"encoder: expected one of {gemma4.ENCODERS}, got {encoder!r}")
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
     encoder_target = None
     if encoder == "packed":
         state = gemma4.FusedOp("packed_encoder", backend, **release)

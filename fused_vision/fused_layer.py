@@ -1,0 +1,280 @@
+"""The fused Gemma 4 vision encoder layer, on the packed sequence: two concatenated GEMMs and three kernels.
+
+Per layer, with T the packed tokens and D the hidden size (stock's modules in brackets):
+
+    qkv    = y @ W_qkv.T                          one GEMM       [q_proj, k_proj, v_proj]
+    q,k,v  = qkv_norm_rope(qkv, ids)              one pass       [q/k/v norms, the axial 2-D RoPE]
+    o      = o_proj(varlen_attention(q, k, v))    per item       [attention, o_proj]
+    h, y   = residual_rms_norm(o, h)              one pass       [post-attention norm, add, pre-feed-forward norm]
+    gu     = y @ W_gate_up.T                      one GEMM       [gate_proj, up_proj]
+    h, y   = residual_rms_norm(down(gelu_gate(gu)), h)           [GELU, product, down_proj, post norm, add,
+                                                                  the next layer's input norm]
+
+``y`` is the next norm's output, carried into the next layer, so each layer's input norm is the previous
+layer's last pass (the first layer's is its own module). The E2B/E4B clipped linears' output clamps are
+folded into ``qkv_norm_rope`` and ``gelu_gate`` (and down_proj's input clamp into ``gelu_gate``); their
+input clamps run before the GEMM, which stays one GEMM where q, k and v (gate and up) clamp alike and
+becomes one per projection otherwise.
+
+The concatenated weights are shared, not copied: the first fused forward (or ``apply_…(model,
+encoder="fused")``) moves q/k/v's (gate/up's) weights into one tensor whose row blocks the parameters
+then view, the same ``nn.Parameter`` objects. A weight later replaced or moved (``.to``, a load with
+``assign=True``) is concatenated again at the next forward. Where autograd needs the weights' gradients
+the GEMM reads ``torch.cat`` of the parameters instead, so training and LoRA on other modules see
+stock's gradients; under torch.compile too, as compiled graphs cannot rely on storage checks.
+
+A layer that cannot run fused (``blocker``) runs its own stock code on the packed sequence, with the
+packed attention, and one warning naming why.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ._dispatch import warn_once
+from ._validation import FLOAT_DTYPES
+from .attention import varlen_attention
+from .ops.gelu_gate import gelu_gate
+from .ops.qkv_norm_rope import qkv_norm_rope
+from .ops.residual_rms_norm import residual_rms_norm
+
+__all__ = ["blocker", "prepare", "release", "run_layers", "share_weights", "unshare_weights"]
+
+# The concatenated projections: (the layer's submodule, its clipped linears in the GEMM's column order)
+_GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
+_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+_NORMS += ("self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm")
+_SHARED = "_fused_vision_weights"  # the layer's {group: concatenated weight}, a plain attribute
+_ACTIVATION = "gelu_pytorch_tanh"
+_SHARING: weakref.WeakSet = weakref.WeakSet()  # the layers whose parameters view concatenated weights
+
+
+def _modeling(layer: nn.Module):
+    return sys.modules[type(layer).__module__]
+
+
+def _classes(layer: nn.Module) -> dict[str, type]:
+    """The stock class each submodule of a fused layer must be exactly (a subclass may compute otherwise)."""
+    modeling = _modeling(layer)
+    classes = {name: modeling.Gemma4ClippableLinear for name in _LINEARS}
+    classes |= {name: modeling.Gemma4RMSNorm for name in _NORMS}
+    return classes | {"self_attn": modeling.Gemma4VisionAttention, "mlp": modeling.Gemma4VisionMLP}
+
+
+def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
+    """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, plain
+    bias-free ``nn.Linear`` weights of the hidden states' dtype and device, no hooks, the tanh GELU, and
+    neither autocast nor gradient checkpointing in training."""
+    modeling = _modeling(layer)
+    if type(layer) is not getattr(modeling, "Gemma4VisionEncoderLayer", None):
+        return f"it is a {type(layer).__name__}, not transformers' Gemma4VisionEncoderLayer"
+    for name, cls in _classes(layer).items():
+        module = layer.get_submodule(name)
+        if type(module) is not cls:
+            return f"{name} is a {type(module).__name__}, not transformers' {cls.__name__}"
+    hooked = [name or "the layer" for name, m in layer.named_modules() if _hooked(m)]
+    if hooked or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return f"{hooked[0] if hooked else 'every module'} has forward hooks"
+    for name in _LINEARS:
+        linear = layer.get_submodule(name).linear
+        if type(linear) is not nn.Linear:  # quantized, LoRA-adapted or parametrized linears are subclasses
+            return f"{name}.linear is a {type(linear).__name__}, not an nn.Linear"
+        if linear.bias is not None:
+            return f"{name}.linear has a bias"
+        weight = linear.weight
+        if type(weight) is not nn.Parameter and type(weight) is not torch.Tensor:
+            return f"{name}.linear.weight is a {type(weight).__name__}"
+        if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
+            return f"{name}.linear.weight is {weight.dtype} on {weight.device}, the hidden states {hidden_states.dtype}"
+    if hidden_states.dtype not in FLOAT_DTYPES:
+        return f"hidden states of dtype {hidden_states.dtype}"
+    if layer.self_attn.head_dim % 4:
+        return f"head_dim {layer.self_attn.head_dim} is not a multiple of 4"
+    if layer.mlp.config.hidden_activation != _ACTIVATION:
+        return f"hidden_activation {layer.mlp.config.hidden_activation!r}, not {_ACTIVATION!r}"
+    if layer.training and getattr(layer, "gradient_checkpointing", False):
+        return "gradient checkpointing"
+    device_type = hidden_states.device.type
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):
+        return "autocast"
+    return None
+
+
+def _hooked(module: nn.Module) -> bool:
+    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+
+
+# ---- the concatenated weights ------------------------------------------------------------------------
+
+
+def _group(layer: nn.Module, group: str) -> list[nn.Module]:
+    parent, names = _GROUPS[group]
+    return [getattr(getattr(layer, parent), name) for name in names]
+
+
+def _views_of(base: torch.Tensor | None, weights: list[torch.Tensor]) -> bool:
+    """Whether ``weights`` are still the consecutive row blocks of ``base``."""
+    if base is None or base.dtype != weights[0].dtype or base.device != weights[0].device:
+        return False
+    row = 0
+    for weight in weights:
+        if weight.dim() != 2 or weight.shape[1] != base.shape[1] or not weight.is_contiguous():
+            return False
+        if weight.data_ptr() != base[row].data_ptr():
+            return False
+        row += weight.shape[0]
+    return row == base.shape[0]
+
+
+def share_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
+    """The layer's concatenated q/k/v and gate/up weights, whose row blocks its parameters view; made (or
+    made again, where a weight was replaced or moved) here. The parameters stay the same objects."""
+    shared = layer.__dict__.setdefault(_SHARED, {})
+    for group in _GROUPS:
+        linears = [clipped.linear for clipped in _group(layer, group)]
+        if _views_of(shared.get(group), [linear.weight for linear in linears]):
+            continue
+        with torch.no_grad():
+            base = torch.cat([linear.weight for linear in linears])
+            row = 0
+            for linear in linears:
+                rows = linear.weight.shape[0]
+                linear.weight.data = base[row : row + rows]  # the same Parameter, its storage now base's
+                row += rows
+        shared[group] = base
+    _SHARING.add(layer)
+    return shared
+
+
+def unshare_weights(layer: nn.Module) -> bool:
+    """Give the parameters storage of their own again (a checkpoint writer may refuse shared storage)."""
+    shared = layer.__dict__.pop(_SHARED, None)
+    _SHARING.discard(layer)
+    if not shared:
+        return False
+    for group, base in shared.items():
+        for clipped in _group(layer, group):
+            weight = clipped.linear.weight
+            if weight.untyped_storage().data_ptr() == base.untyped_storage().data_ptr():
+                weight.data = weight.data.clone()
+    return True
+
+
+def _gemm_weight(layer: nn.Module, group: str) -> torch.Tensor:
+    weights = [clipped.linear.weight for clipped in _group(layer, group)]
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
+        return torch.cat(weights)
+    return share_weights(layer)[group]
+
+
+def prepare(model: nn.Module) -> None:
+    """Concatenate the weights of every layer in ``model`` that can run fused, ahead of the first forward."""
+    for module in model.modules():
+        if hasattr(module, "self_attn") and hasattr(module, "mlp"):
+            weight = getattr(getattr(getattr(module.self_attn, "q_proj", None), "linear", None), "weight", None)
+            if isinstance(weight, torch.Tensor) and blocker(module, weight) is None:
+                share_weights(module)
+
+
+def release(model: nn.Module | None) -> int:
+    """Unshare the weights of the layers in ``model`` (None: of every layer); returns how many."""
+    layers = list(_SHARING) if model is None else [m for m in model.modules() if m in _SHARING]
+    return sum(unshare_weights(layer) for layer in layers)
+
+
+# ---- the E2B/E4B clipped linears ---------------------------------------------------------------------
+
+
+def _clamp_table(linears: list[nn.Module], sides: list[str]) -> torch.Tensor | None:
+    """The (rows, 2) fp32 (min, max) table of the ops' ``clamps``: one row per (linear, "input"|"output")."""
+    if not linears[0].use_clipped_linears:
+        return None
+    rows = [torch.stack([getattr(m, f"{side}_min"), getattr(m, f"{side}_max")]) for m, side in zip(linears, sides)]
+    return torch.stack(rows).float()
+
+
+def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
+    """The group's projections of y side by side, each after its own input clamp: one GEMM where the
+    clamps are alike (or absent), one per projection otherwise."""
+    linears = _group(layer, group)
+    if not linears[0].use_clipped_linears:
+        return F.linear(y, _gemm_weight(layer, group))
+    bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in linears])
+    # Comparing the bounds reads them on the host; torch.compile takes the per-projection path instead.
+    if not torch.compiler.is_compiling() and bool((bounds == bounds[0]).all()):
+        return F.linear(torch.clamp(y, linears[0].input_min, linears[0].input_max), _gemm_weight(layer, group))
+    return torch.cat([F.linear(torch.clamp(y, m.input_min, m.input_max), m.linear.weight) for m in linears], dim=-1)
+
+
+# ---- the layer and the loop ----------------------------------------------------------------------------
+
+
+def _fused_layer(layer, h, y, position_ids, inv_freq, segments, next_weight, backend):
+    """One fused layer on (T, D) hidden states ``h`` and their input norm ``y``: the new (h, next norm of h)."""
+    attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
+    heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
+    qkv_clamps = _clamp_table([attn.q_proj, attn.k_proj, attn.v_proj], ["output"] * 3)
+    q, k, v = qkv_norm_rope(
+        _project(y, layer, "qkv"),
+        position_ids,
+        attn.q_norm.weight,
+        attn.k_norm.weight,
+        inv_freq,
+        heads,
+        kv_heads,
+        eps=eps,
+        clamps=qkv_clamps,
+        backend=backend,
+    )
+    if kv_heads != heads:  # grouped heads, as transformers' repeat_kv lays them out
+        k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
+    dropout = attn.attention_dropout if attn.training else 0.0
+    attended = varlen_attention(q, k, v, *segments, scale=attn.scaling, dropout=dropout)
+    h, y = residual_rms_norm(
+        attn.o_proj(attended.flatten(1)),
+        h,
+        layer.post_attention_layernorm.weight,
+        layer.pre_feedforward_layernorm.weight,
+        eps=eps,
+        backend=backend,
+    )
+    down = mlp.down_proj
+    gelu_clamps = _clamp_table([mlp.gate_proj, mlp.up_proj, down], ["output", "output", "input"])
+    mlp_output = F.linear(gelu_gate(_project(y, layer, "gate_up"), gelu_clamps, backend=backend), down.linear.weight)
+    if down.use_clipped_linears:
+        mlp_output = torch.clamp(mlp_output, down.output_min, down.output_max)
+    post_weight = layer.post_feedforward_layernorm.weight
+    return residual_rms_norm(mlp_output, h, post_weight, next_weight, eps=eps, backend=backend)
+
+
+def run_layers(encoder: nn.Module, hidden_states, position_ids, segments, backend: str, stock_kwargs: dict):
+    """The encoder's layers on the (T, D) packed ``hidden_states`` with (T, 2) ``position_ids``; ``segments``
+    is (cu_seqlens, lengths, longest) of the items. Layers ``blocker`` turns away run stock code, called
+    with ``stock_kwargs`` (the packed attention's arguments) and the rotary embedding's cos and sin."""
+    layers = list(encoder.layers[: encoder.config.num_hidden_layers])
+    reasons = [blocker(layer, hidden_states) for layer in layers]
+    for reason in dict.fromkeys(r for r in reasons if r is not None):
+        where = ", ".join(str(i) for i, r in enumerate(reasons) if r == reason)
+        warn_once(f"fused encoder: layer(s) {where} run stock code on the packed sequence: {reason}", 4)
+    rotary = encoder.rotary_emb
+    cos_sin = rotary(hidden_states[None], position_ids[None]) if any(reasons) else None
+    inv_freq = rotary.inv_freq.float()  # stock's rotary reads its buffer (cast with the model) as float32
+    h, y = hidden_states, None
+    for index, (layer, reason) in enumerate(zip(layers, reasons)):
+        if reason is not None:
+            h = layer(h[None], position_embeddings=cos_sin, position_ids=position_ids[None], **stock_kwargs)[0]
+            y = None
+            continue
+        if y is None:
+            y = layer.input_layernorm(h)
+        following = index + 1 < len(layers) and reasons[index + 1] is None
+        next_weight = layers[index + 1].input_layernorm.weight if following else None
+        h, y = _fused_layer(layer, h, y, position_ids, inv_freq, segments, next_weight, backend)
+    return h
