@@ -79,6 +79,9 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
         module = layer.get_submodule(name)
         if type(module) is not cls:
             return f"{name} is a {type(module).__name__}, not transformers' {cls.__name__}"
+    device_type = hidden_states.device.type
+    if device_type != "meta" and torch.is_autocast_enabled(device_type):  # stock's GEMMs would run in its dtype
+        return "autocast"
     hooked = [name or "the layer" for name, m in layer.named_modules() if _hooked(m)]
     if hooked or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return f"{hooked[0] if hooked else 'every module'} has forward hooks"
@@ -99,11 +102,8 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
         return f"head_dim {layer.self_attn.head_dim} is not a multiple of 4"
     if layer.mlp.config.hidden_activation != _ACTIVATION:
         return f"hidden_activation {layer.mlp.config.hidden_activation!r}, not {_ACTIVATION!r}"
-    if layer.training and getattr(layer, "gradient_checkpointing", False):
+    if layer.training and torch.is_grad_enabled() and getattr(layer, "gradient_checkpointing", False):
         return "gradient checkpointing"
-    device_type = hidden_states.device.type
-    if device_type != "meta" and torch.is_autocast_enabled(device_type):
-        return "autocast"
     return None
 
 

@@ -20,7 +20,7 @@ VERSION = tuple(int(part) for part in transformers.__version__.split(".")[:2])
 # a float64 twin of the tower, no less accurate than stock in RMS and in the worst element, or than a
 # floor of the dtype's unit roundoff (16 of them for fp32).
 FP32_CLOSE = dict(rtol=1e-5, atol=1e-5)
-ACCURACY_FLOOR = {torch.float32: 16 * 2**-24, torch.bfloat16: 2**-8}
+ACCURACY_FLOOR = {torch.float32: 16 * 2**-24, torch.bfloat16: 2**-8, torch.float16: 2**-10}
 
 
 def vision_config(*, patch_size=2, pooling=2, positions=64, standardize=False, hidden=32):
@@ -145,3 +145,63 @@ def processor_batch(sizes, max_soft_tokens, seed):
 
 
 SIZES = [(48, 80), (100, 36), (61, 61)]  # landscape, portrait, square-ish odd
+
+
+# ---- towers of the two real head sizes, for the packed and fused encoders ----------------------------
+
+KINDS = ["e2b_like", "31b_like"]  # the two real head sizes, clipped linears and standardization
+
+
+def tower_of(
+    kind, dtype=torch.float32, *, patch_size=2, positions=64, seed=0, attention_implementation="sdpa", **overrides
+):
+    """A tiny tower of the kind: 2 layers, hidden 32, two heads of the real head_dim (``overrides``: other
+    config fields)."""
+    clipped = kind == "e2b_like"
+    fields = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        head_dim=64 if clipped else 72,
+        patch_size=patch_size,
+        position_embedding_size=positions,
+        pooling_kernel_size=2,
+        standardize=not clipped,
+        use_clipped_linears=clipped,
+    )
+    config = modeling.Gemma4VisionConfig(**fields | overrides)
+    config._attn_implementation = attention_implementation
+    tower = randomize(modeling.Gemma4VisionModel(config), seed)
+    with torch.no_grad():
+        for name, buffer in tower.named_buffers():  # bounds that clip some values, never all
+            if name.endswith(("input_min", "output_min")):
+                buffer.fill_(-0.6)
+            elif name.endswith(("input_max", "output_max")):
+                buffer.fill_(0.6)
+    return tower.to(DEVICE, dtype).eval()
+
+
+def mixed_items(seed=5):
+    """Items of two padded lengths (64 and 16 patches), interleaved."""
+    large_pixels, large_ids = make_inputs(GRIDS, SEQ_LEN, seed=seed)
+    small_pixels, small_ids = make_inputs([(4, 4), (2, 6)], 16, seed=seed + 1)
+    pixels = [large_pixels[0], small_pixels[0], large_pixels[1], small_pixels[1], large_pixels[2]]
+    ids = [large_ids[0], small_ids[0], large_ids[1], small_ids[1], large_ids[2]]
+    return pixels, ids
+
+
+def alone(tower, pixels, ids):
+    """Stock's soft tokens of each item run alone through the (stock) tower."""
+    return [run_tower(tower, p[None].to(tower.dtype), i[None]) for p, i in zip(pixels, ids)]
+
+
+def assert_items_match(got, stock, exact, dtype):
+    assert len(got) == len(stock)
+    for index, (g, s, x) in enumerate(zip(got, stock, exact, strict=True)):
+        assert g.shape == s.shape and g.dtype == s.dtype, f"item {index}"
+        if dtype == torch.float32:
+            assert_close(g, s, **FP32_CLOSE, what=f"item {index}")
+        floor = ACCURACY_FLOOR[dtype]
+        assert_as_accurate_as_stock(g, s, x, floor=floor, ords=(2, float("inf")), what=f"item {index}")

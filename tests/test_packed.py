@@ -16,85 +16,31 @@ import fused_vision.packed as fp
 import fused_vision.planner as planner
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
+    KINDS,
     SEQ_LEN,
     SIZES,
     VERSION,
+    alone,
+    assert_items_match,
     fused_ops,
     make_inputs,
-    modeling,
+    mixed_items,
     processor_batch,
     randomize,
-    run_tower,
+    tower_of,
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-ACCURACY_FLOOR = {
-    torch.float32: 16 * 2**-24,
-    torch.bfloat16: 2**-8,
-    torch.float16: 2**-10,
-}  # 2 units: the output rounding alone is 1
-KINDS = ["e2b_like", "31b_like"]
 
 
 @pytest.fixture(autouse=True)
 def stock_after_each_test():
     yield
     revert_fused_vision_gemma4()
-
-
-def tower_of(kind, dtype=torch.float32, *, patch_size=2, positions=64, seed=0, attention_implementation="sdpa"):
-    """A tiny tower of the kind: 2 layers, hidden 32, two heads of the real head_dim."""
-    clipped = kind == "e2b_like"
-    config = modeling.Gemma4VisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=64 if clipped else 72,
-        patch_size=patch_size,
-        position_embedding_size=positions,
-        pooling_kernel_size=2,
-        standardize=not clipped,
-        use_clipped_linears=clipped,
-    )
-    config._attn_implementation = attention_implementation
-    tower = randomize(modeling.Gemma4VisionModel(config), seed)
-    with torch.no_grad():
-        for name, buffer in tower.named_buffers():  # bounds that clip some values, never all
-            if name.endswith(("input_min", "output_min")):
-                buffer.fill_(-0.6)
-            elif name.endswith(("input_max", "output_max")):
-                buffer.fill_(0.6)
-    return tower.to(DEVICE, dtype).eval()
-
-
-def mixed_items(seed=5):
-    """Items of two padded lengths (64 and 16 patches), interleaved."""
-    large_pixels, large_ids = make_inputs(GRIDS, SEQ_LEN, seed=seed)
-    small_pixels, small_ids = make_inputs([(4, 4), (2, 6)], 16, seed=seed + 1)
-    pixels = [large_pixels[0], small_pixels[0], large_pixels[1], small_pixels[1], large_pixels[2]]
-    ids = [large_ids[0], small_ids[0], large_ids[1], small_ids[1], large_ids[2]]
-    return pixels, ids
-
-
-def alone(tower, pixels, ids):
-    """Stock's soft tokens of each item run alone through the (stock) tower."""
-    return [run_tower(tower, p[None].to(tower.dtype), i[None]) for p, i in zip(pixels, ids)]
-
-
-def assert_items_match(got, stock, exact, dtype):
-    assert len(got) == len(stock)
-    for index, (g, s, x) in enumerate(zip(got, stock, exact, strict=True)):
-        assert g.shape == s.shape and g.dtype == s.dtype, f"item {index}"
-        if dtype == torch.float32:
-            assert_close(g, s, **FP32_CLOSE, what=f"item {index}")
-        floor = ACCURACY_FLOOR[dtype]
-        assert_as_accurate_as_stock(g, s, x, floor=floor, ords=(2, float("inf")), what=f"item {index}")
 
 
 @pytest.fixture

@@ -12,7 +12,12 @@ def reference_grads(reference_fn, ctx, inputs: tuple, grad_outputs: tuple) -> tu
     create_graph = torch.is_grad_enabled()
     wanted = [t is not None and need for t, need in zip(inputs, ctx.needs_input_grad)]
     with torch.enable_grad():
-        leaves = [t.detach().requires_grad_() if want and not t.requires_grad else t for t, want in zip(inputs, wanted)]
+        # Fresh leaves unless a graph is asked for: the recomputation must not reach into the forward's
+        # graph, whose saved tensors a grad call without a graph would free (a clamp's, say).
+        leaves = [
+            t if t is None or create_graph and t.requires_grad else t.detach().requires_grad_(want)
+            for t, want in zip(inputs, wanted)
+        ]
         pairs = [(o, g) for o, g in zip(reference_fn(*leaves), grad_outputs) if o is not None and g is not None]
         found = torch.autograd.grad(
             [o for o, _ in pairs],

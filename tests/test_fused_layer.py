@@ -1,0 +1,282 @@
+"""The fused encoder layer (fused_vision.fused_layer, ``encoder="fused"``) against transformers' own tower.
+
+Every item is judged against stock run on that item alone, and against a float64 twin: fp32 within 1e-5
+of stock, each dtype no less accurate than stock (1.5x slack, a floor of the dtype's rounding). Towers at
+both real head sizes (E2B/E4B-like: clipped linears, head_dim 64; 26B/31B-like: head_dim 72).
+"""
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import fused_vision.fused_layer as fl
+import fused_vision.kernels.gelu_gate
+import fused_vision.kernels.qkv_norm_rope
+import fused_vision.kernels.residual_rms_norm
+from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, packed, revert_fused_vision_gemma4
+
+from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from gemma4_towers import (
+    FP32_CLOSE,
+    GRIDS,
+    KINDS,
+    SEQ_LEN,
+    SIZES,
+    alone,
+    assert_items_match,
+    fused_ops,
+    make_inputs,
+    mixed_items,
+    processor_batch,
+    run_tower,
+    tower_of,
+)
+
+KERNELS = {
+    "qkv_norm_rope": fused_vision.kernels.qkv_norm_rope,
+    "residual_rms_norm": fused_vision.kernels.residual_rms_norm,
+    "gelu_gate": fused_vision.kernels.gelu_gate,
+}
+FUSED_LAYER_KERNELS = ["qkv_norm_rope", "residual_rms_norm", "gelu_gate", "residual_rms_norm"]
+
+
+@pytest.fixture(autouse=True)
+def stock_after_each_test(monkeypatch):
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
+    yield
+    revert_fused_vision_gemma4()
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """The layer kernels launched, in order (none where the ops run their reference: no Triton here)."""
+    if not _dispatch.triton_drives(DEVICE):
+        pytest.skip("Triton does not drive this device")
+    calls = []
+    for name, module in KERNELS.items():
+        launch = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _launch=launch, _name=name: calls.append(_name) or _launch(*a))
+    return calls
+
+
+def fused(tower):
+    apply_fused_vision_to_gemma4(tower, encoder="fused")
+    return tower
+
+
+def storages(module: nn.Module) -> dict[int, int]:
+    """Bytes of each distinct storage behind the module's parameters."""
+    return {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in module.parameters()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=dtype_id)
+@pytest.mark.parametrize("kind", KINDS)
+def test_items_of_any_size_in_one_call_match_stock_alone(poisoned, kernel_calls, kind, dtype):
+    tower = tower_of(kind, dtype)
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # no layer falls back
+        got = encode_images(fused(tower), pixels, ids)
+    assert kernel_calls == FUSED_LAYER_KERNELS * 2, "both layers fused, one call for every item"
+    assert_items_match(got, stock, exact, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kind", KINDS)
+def test_processor_images_of_two_budgets_and_video_frames(kind, dtype):
+    pixels70, ids70, _ = processor_batch(SIZES, 70, seed=12)
+    pixels140, ids140, _ = processor_batch([(30, 90), (64, 64)], 140, seed=13)
+    frames, frame_ids, _ = processor_batch([(36, 64)] * 4, 70, seed=14)
+    pixels, ids = [*pixels70, *pixels140, *frames], [*ids70, *ids140, *frame_ids]
+    positions = max(int(i.max()) for i in ids) + 1
+    tower = tower_of(kind, dtype, patch_size=4, positions=positions)
+    stock = alone(tower, pixels, ids)
+    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    assert_items_match(encode_images(fused(tower), pixels, ids), stock, exact, dtype)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_patched_tower_forward_returns_stock_outputs_and_reverts(kind):
+    tower = tower_of(kind)
+    pixels, ids = make_inputs(GRIDS + [(2, 2)], SEQ_LEN, seed=9)
+    stock = tower(pixel_values=pixels, pixel_position_ids=ids)
+    before = storages(tower)
+    assert apply_fused_vision_to_gemma4(tower, encoder="fused") == 3
+    assert "fused_encoder(backend=auto)" in fused_ops(tower)
+    got = tower(pixel_values=pixels, pixel_position_ids=ids)
+    assert type(got) is type(stock) and list(got.keys()) == list(stock.keys())
+    assert_close(got.last_hidden_state, stock.last_hidden_state, **FP32_CLOSE, what="soft tokens")
+    assert sum(storages(tower).values()) == sum(before.values()), "the concatenated weights replace the originals"
+
+    assert revert_fused_vision_gemma4(tower) == 3
+    assert len(storages(tower)) == len(before), "each parameter owns its storage again"
+    assert_bit_identical(run_tower(tower, pixels, ids), stock.last_hidden_state, "reverted")
+
+
+def test_weights_are_shared_and_follow_changes():
+    tower = tower_of("31b_like")
+    attn = tower.encoder.layers[0].self_attn
+    parameters = [attn.q_proj.linear.weight, attn.k_proj.linear.weight, attn.v_proj.linear.weight]
+    fused(tower)
+    shared = tower.encoder.layers[0]._fused_vision_weights["qkv"]
+    assert [p.data_ptr() for p in parameters] == [shared[r].data_ptr() for r in (0, 144, 288)]
+    assert parameters[0] is attn.q_proj.linear.weight, "the same Parameter objects"
+
+    pixels, ids = mixed_items()
+    reference = tower_of("31b_like")
+    with torch.no_grad():  # an in-place update reaches the GEMM through the views
+        attn.q_proj.linear.weight.mul_(1.5)
+        reference.encoder.layers[0].self_attn.q_proj.linear.weight.mul_(1.5)
+    assert_items_match(encode_images(tower, pixels, ids), *[alone(reference, pixels, ids)] * 2, torch.float32)
+    replaced = torch.randn_like(attn.k_proj.linear.weight)  # a replaced weight is concatenated again
+    attn.k_proj.linear.weight = nn.Parameter(replaced.clone())
+    reference.encoder.layers[0].self_attn.k_proj.linear.weight = nn.Parameter(replaced.clone())
+    assert_items_match(encode_images(tower, pixels, ids), *[alone(reference, pixels, ids)] * 2, torch.float32)
+    shared = tower.encoder.layers[0]._fused_vision_weights["qkv"]
+    assert attn.k_proj.linear.weight.data_ptr() == shared[144].data_ptr()
+
+
+def test_a_fused_tower_saves_and_loads(tmp_path):
+    tower = fused(tower_of("e2b_like"))
+    expected = {name: t.clone() for name, t in tower.state_dict().items()}
+    tower.save_pretrained(tmp_path)
+    loaded = type(tower).from_pretrained(tmp_path).state_dict()
+    assert loaded.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert_bit_identical(loaded[name].to(tensor.device), tensor, name)
+
+
+def test_unlike_input_clamps_project_one_by_one(monkeypatch):
+    tower = tower_of("e2b_like")
+    with torch.no_grad():
+        tower.encoder.layers[0].self_attn.k_proj.input_min.fill_(-0.3)
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    rows, linear = [], torch.nn.functional.linear
+    monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: rows.append(w.shape[0]) or linear(x, w, *a))
+    got = encode_images(fused(tower), pixels, ids)
+    qkv, hidden, gate_up = 3 * 2 * 64, 32, 2 * 64
+    per_layer = lambda projections: [*projections, hidden, gate_up, hidden]  # then o_proj, gate/up, down_proj
+    assert rows == per_layer([128, 128, 128]) + per_layer([qkv]), "layer 0 one GEMM per projection"
+    assert_items_match(got, stock, stock, torch.float32)
+
+
+def test_grouped_kv_heads_match_stock():
+    """No Gemma 4 tower groups its heads (encode_images' planner refuses them); the layer computes them right."""
+    tower = tower_of("31b_like", num_attention_heads=4, num_key_value_heads=2)
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    with torch.no_grad():
+        assert_items_match(packed.encode(fused(tower), pixels, ids, True), stock, stock, torch.float32)
+
+
+class LoRALinear(nn.Module):
+    """A low-rank adapter around a frozen linear, as adapter libraries wrap one."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base, self.weight = base, base.weight
+        self.down = nn.Parameter(torch.randn(rank, base.in_features, device=base.weight.device) * 0.1)
+        self.up = nn.Parameter(torch.randn(base.out_features, rank, device=base.weight.device) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.down.T @ self.up.T
+
+
+def test_a_lora_adapted_layer_runs_stock_code_and_trains():
+    stock_tower = tower_of("31b_like")
+    for param in stock_tower.parameters():
+        param.requires_grad_(False)
+    attn = stock_tower.encoder.layers[1].self_attn
+    attn.q_proj.linear = LoRALinear(attn.q_proj.linear)
+    tower = copy.deepcopy(stock_tower)
+    fused(tower)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
+    grads, outputs = [], []
+    for model in (stock_tower, tower):
+        out = model(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        outputs.append(out.detach())
+        adapter = model.encoder.layers[1].self_attn.q_proj.linear
+        grads.append((adapter.down.grad, adapter.up.grad))
+    assert_close(outputs[1], outputs[0], **FP32_CLOSE, what="soft tokens")
+    for got, expected in zip(grads[1], grads[0]):
+        assert_close(got, expected, rtol=1e-4, atol=1e-6, what="adapter gradient")
+    with pytest.warns(RuntimeWarning, match=r"layer\(s\) 1 run stock code .*: self_attn.q_proj.linear is a LoRALinear"):
+        _dispatch._WARNED.clear()
+        tower(pixel_values=pixels, pixel_position_ids=ids)
+
+
+@pytest.mark.parametrize(
+    "condition",
+    ["forward hook", "float64", "autocast", "gradient checkpointing"],
+)
+def test_layers_that_cannot_run_fused_run_stock_code_with_one_warning(condition):
+    tower = tower_of("31b_like")
+    pixels, ids = mixed_items()
+    calls, context = [], torch.no_grad()
+    if condition == "forward hook":
+        tower.encoder.layers[1].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
+        expected = r"layer\(s\) 1 run stock code on the packed sequence: mlp.up_proj has forward hooks"
+    elif condition == "float64":
+        tower, pixels = tower.double(), [p.double() for p in pixels]
+        expected = r"layer\(s\) 0, 1 run stock code .*: hidden states of dtype torch.float64"
+    elif condition == "autocast":
+        context = torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+        expected = r"layer\(s\) 0, 1 run stock code .*: autocast"
+    else:
+        checkpointing = getattr(tower, "activation_checkpointing_enable", None)  # 5.24+; older: gradient_...
+        (checkpointing or tower.gradient_checkpointing_enable)()
+        tower.train()
+        context = torch.enable_grad()
+        expected = r"layer\(s\) 0, 1 run stock code .*: gradient checkpointing"
+    with context:
+        stock = packed.encode(tower, pixels, ids, True)  # the packed encoder, stock layers
+    calls.clear()
+    fused(tower)
+    with context, pytest.warns(RuntimeWarning, match=expected):
+        got = packed.encode(tower, pixels, ids, True)
+    with context, warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # once
+        packed.encode(tower, pixels, ids, True)
+    for index, (g, s) in enumerate(zip(got, stock, strict=True)):
+        assert_close(g.detach(), s.detach(), **FP32_CLOSE, what=f"item {index}")
+    assert calls == [1] * 2 if condition == "forward hook" else not calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_gradients_through_the_fused_tower_match_stock(kind):
+    stock_tower = tower_of(kind)
+    tower = fused(copy.deepcopy(stock_tower))
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
+    grads = []
+    for model in (stock_tower, tower):
+        inputs = pixels.clone().requires_grad_()
+        out = model(pixel_values=inputs, pixel_position_ids=ids).last_hidden_state
+        out.square().mean().backward()
+        grads.append({"pixels": inputs.grad} | {name: p.grad for name, p in model.named_parameters()})
+    for name, expected in grads[0].items():
+        assert grads[1][name] is not None, name
+        assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
+
+
+def test_the_fused_layers_compile_fullgraph():
+    """The packing reads item lengths on the host; the layers it then runs are one graph."""
+    tower = fused(tower_of("e2b_like"))
+    pixels, ids = mixed_items()
+    _, lengths, packed_pixels, packed_ids = packed.pack_items(pixels, ids)
+    no_padding = torch.zeros(packed_ids.shape[:2], dtype=torch.bool, device=DEVICE)
+    with torch.no_grad():
+        hidden = tower.patch_embedder(packed_pixels, packed_ids, no_padding)[0]
+        segments = (packed.boundaries(lengths, DEVICE), lengths, max(lengths))
+        arguments = (tower.encoder, hidden, packed_ids[0], segments, "auto", {})
+        eager = fl.run_layers(*arguments)
+        torch._dynamo.reset()
+        compiled = torch.compile(fl.run_layers, fullgraph=True, backend="aot_eager")(*arguments)
+        torch._dynamo.reset()
+    assert_close(compiled, eager, **FP32_CLOSE, what="compiled layers")
