@@ -7,7 +7,8 @@
 # Where a step failed, rerun it alone. The steps:
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
-#                  the table gradient), with syncs forbidden and in CUDA graphs    box 150 s, ~1 to 2 min
+#                  the table gradient, the fused encoder's error vs float64 at the 26B/31B layer shapes),
+#                  with syncs forbidden and in CUDA graphs                         box 150 s, ~1 to 2 min
 #   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
 #   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
@@ -44,7 +45,8 @@ dry=${GPU_RUN_DRY:-0}
 # Fastest to compile first, so the box cuts the slowest: a lookup kernel builds in under a second, each
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
 kernel_tests=(tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
-  tests/ops/test_patch_embed.py)
+  tests/ops/test_patch_embed.py tests/ops/test_residual_rms_norm.py tests/ops/test_gelu_gate.py
+  tests/ops/test_qkv_norm_rope.py tests/test_fused_layer.py)
 if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
   bench_args=(--tiny --quick --ops position_embeddings --providers onehot,fused)
