@@ -29,6 +29,7 @@ packed attention, and one warning naming why.
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -36,14 +37,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import patching
 from ._dispatch import warn_once
 from ._validation import FLOAT_DTYPES
-from .attention import varlen_attention
+from .attention import SUPPORTED_ATTENTION, configured_attention, varlen_attention
 from .ops.gelu_gate import gelu_gate
 from .ops.qkv_norm_rope import qkv_norm_rope
 from .ops.residual_rms_norm import residual_rms_norm
 
-__all__ = ["blocker", "prepare", "release", "run_layers", "share_weights", "unshare_weights"]
+__all__ = [
+    "blocker",
+    "packed_attention",
+    "padded_attention",
+    "padded_encoder_forward",
+    "prepare",
+    "release",
+    "run_layers",
+    "share_weights",
+    "unshare_weights",
+]
 
 # The concatenated projections: (the layer's submodule, its clipped linears in the GEMM's column order)
 _GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
@@ -53,6 +65,8 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 _NORMS += ("self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm")
 _SHARED = "_fused_vision_weights"  # the layer's {group: concatenated weight}, a plain attribute
 _ACTIVATION = "gelu_pytorch_tanh"
+# Keywords the stock encoder's forward takes that change nothing the fused layers compute
+_PASSIVE_KWARGS = ("output_hidden_states", "output_attentions", "return_dict", "use_cache")
 _SHARING: weakref.WeakSet = weakref.WeakSet()  # the layers whose parameters view concatenated weights
 
 
@@ -82,9 +96,14 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
     device_type = hidden_states.device.type
     if device_type != "meta" and torch.is_autocast_enabled(device_type):  # stock's GEMMs would run in its dtype
         return "autocast"
-    hooked = [name or "the layer" for name, m in layer.named_modules() if _hooked(m)]
-    if hooked or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return f"{hooked[0] if hooked else 'every module'} has forward hooks"
+    for name, module in layer.named_modules():
+        hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+        if hasattr(module, "_hf_hook") or any(not _output_capture(hook) for hook in hooks):
+            return f"{name or 'the layer'} has forward hooks"
+        if any(not _idle(hook) for hook in hooks):
+            return "this forward records hidden states or attentions"
+    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
+        return "global module hooks are registered"
     for name in _LINEARS:
         linear = layer.get_submodule(name).linear
         if type(linear) is not nn.Linear:  # quantized, LoRA-adapted or parametrized linears are subclasses
@@ -107,8 +126,31 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
     return None
 
 
-def _hooked(module: nn.Module) -> bool:
-    return bool(module._forward_hooks or module._forward_pre_hooks or hasattr(module, "_hf_hook"))
+def _output_capture(hook) -> bool:
+    """Whether ``hook`` is one of transformers' output-capturing hooks (5.10+: installed on the layers the
+    first time a forward records hidden states or attentions, then kept, idle while no forward records)."""
+    named = getattr(hook, "__name__", None) == "output_capturing_hook"
+    return named and hasattr(_hook_module(hook), "_active_collector")
+
+
+def _hook_module(hook):
+    return sys.modules.get(getattr(hook, "__module__", None) or "")
+
+
+def _idle(hook) -> bool:
+    """Whether an output-capturing hook records nothing in this forward."""
+    try:
+        return not _hook_module(hook)._active_collector.get()
+    except LookupError:  # never set in this context: nothing records
+        return True
+
+
+def _may_read_on_host(tensor: torch.Tensor) -> bool:
+    """Whether reading ``tensor``'s values on the host is allowed: not under torch.compile, nor while a CUDA
+    graph is captured or torch's sync debug mode is armed."""
+    if torch.compiler.is_compiling():
+        return False
+    return not tensor.is_cuda or not (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode())
 
 
 # ---- the concatenated weights ------------------------------------------------------------------------
@@ -207,8 +249,8 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
     if not linears[0].use_clipped_linears:
         return F.linear(y, _gemm_weight(layer, group))
     bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in linears])
-    # Comparing the bounds reads them on the host; torch.compile takes the per-projection path instead.
-    if not torch.compiler.is_compiling() and bool((bounds == bounds[0]).all()):
+    # Comparing the bounds reads them on the host; where that is not allowed, one GEMM per projection.
+    if _may_read_on_host(bounds) and bool((bounds == bounds[0]).all()):
         return F.linear(torch.clamp(y, linears[0].input_min, linears[0].input_max), _gemm_weight(layer, group))
     return torch.cat([F.linear(torch.clamp(y, m.input_min, m.input_max), m.linear.weight) for m in linears], dim=-1)
 
@@ -216,7 +258,7 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
 # ---- the layer and the loop ----------------------------------------------------------------------------
 
 
-def _fused_layer(layer, h, y, position_ids, inv_freq, segments, next_weight, backend):
+def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backend):
     """One fused layer on (T, D) hidden states ``h`` and their input norm ``y``: the new (h, next norm of h)."""
     attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
     heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
@@ -236,7 +278,7 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, segments, next_weight, bac
     if kv_heads != heads:  # grouped heads, as transformers' repeat_kv lays them out
         k, v = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (k, v))
     dropout = attn.attention_dropout if attn.training else 0.0
-    attended = varlen_attention(q, k, v, *segments, scale=attn.scaling, dropout=dropout)
+    attended = attend(q, k, v, scale=attn.scaling, dropout=dropout)
     h, y = residual_rms_norm(
         attn.o_proj(attended.flatten(1)),
         h,
@@ -254,27 +296,79 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, segments, next_weight, bac
     return residual_rms_norm(mlp_output, h, post_weight, next_weight, eps=eps, backend=backend)
 
 
-def run_layers(encoder: nn.Module, hidden_states, position_ids, segments, backend: str, stock_kwargs: dict):
-    """The encoder's layers on the (T, D) packed ``hidden_states`` with (T, 2) ``position_ids``; ``segments``
-    is (cu_seqlens, lengths, longest) of the items. Layers ``blocker`` turns away run stock code, called
-    with ``stock_kwargs`` (the packed attention's arguments) and the rotary embedding's cos and sin."""
+def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, backend: str, shape, stock_kwargs: dict):
+    """The encoder's layers on (T, D) ``hidden_states`` with (T, 2) ``position_ids``, ``attend(q, k, v, *,
+    scale, dropout)`` their attention on (T, H, d) heads. Layers ``blocker`` turns away run stock code on
+    the rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with ``stock_kwargs`` (their attention's
+    arguments) and the rotary embedding's cos and sin."""
     layers = list(encoder.layers[: encoder.config.num_hidden_layers])
     reasons = [blocker(layer, hidden_states) for layer in layers]
     for reason in dict.fromkeys(r for r in reasons if r is not None):
         where = ", ".join(str(i) for i, r in enumerate(reasons) if r == reason)
-        warn_once(f"fused encoder: layer(s) {where} run stock code on the packed sequence: {reason}", 4)
-    rotary = encoder.rotary_emb
-    cos_sin = rotary(hidden_states[None], position_ids[None]) if any(reasons) else None
+        warn_once(f"fused encoder: layer(s) {where} run stock code: {reason}", 4)
+    rotary, batched_ids = encoder.rotary_emb, position_ids.view(*shape, 2)
+    cos_sin = rotary(hidden_states.view(*shape, -1), batched_ids) if any(reasons) else None
     inv_freq = rotary.inv_freq.float()  # stock's rotary reads its buffer (cast with the model) as float32
     h, y = hidden_states, None
     for index, (layer, reason) in enumerate(zip(layers, reasons)):
         if reason is not None:
-            h = layer(h[None], position_embeddings=cos_sin, position_ids=position_ids[None], **stock_kwargs)[0]
-            y = None
+            rows = layer(h.view(*shape, -1), position_embeddings=cos_sin, position_ids=batched_ids, **stock_kwargs)
+            h, y = rows.flatten(0, 1), None
             continue
         if y is None:
             y = layer.input_layernorm(h)
         following = index + 1 < len(layers) and reasons[index + 1] is None
         next_weight = layers[index + 1].input_layernorm.weight if following else None
-        h, y = _fused_layer(layer, h, y, position_ids, inv_freq, segments, next_weight, backend)
+        h, y = _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backend)
     return h
+
+
+def _supported(encoder: nn.Module) -> bool:
+    """Whether the encoder's configured attention computes what ``padded_attention`` does."""
+    attention = configured_attention(encoder.config)
+    return attention is None or attention in SUPPORTED_ATTENTION
+
+
+def packed_attention(cu_seqlens, lengths, longest):
+    """``attend`` for a packed sequence: within each item (``fused_vision.attention.varlen_attention``)."""
+    return functools.partial(varlen_attention, cu_seqlens=cu_seqlens, lengths=lengths, max_seqlen=longest)
+
+
+def padded_attention(valid: torch.Tensor):
+    """``attend`` for (B, N) padded rows: each item's queries attend to its valid keys (``valid``: (B, N)
+    True where real), as stock's sdpa with its bidirectional mask."""
+    mask = valid[:, None, None, :]
+
+    def attend(query, key, value, *, scale, dropout):
+        heads = [t.unflatten(0, valid.shape).transpose(1, 2) for t in (query, key, value)]  # (B, H, N, d)
+        output = F.scaled_dot_product_attention(*heads, attn_mask=mask, dropout_p=dropout, scale=scale)
+        return output.transpose(1, 2).flatten(0, 1)
+
+    return attend
+
+
+def padded_encoder_forward(self, inputs_embeds, attention_mask, pixel_position_ids=None, **kwargs):
+    """``Gemma4VisionEncoder.forward`` with fused layers on its padded (B, N, D) batch: for the callers of the
+    encoder itself (``Gemma4VisionModel.forward`` under torch.compile, an engine calling the submodules).
+    No host reads, so it compiles in one graph and captures in a CUDA graph. Other calls run stock."""
+    state = patching.fused_state(self)
+    shaped = (
+        isinstance(inputs_embeds, torch.Tensor)
+        and inputs_embeds.dim() == 3
+        and isinstance(attention_mask, torch.Tensor)
+        and attention_mask.dtype == torch.bool
+        and attention_mask.shape == inputs_embeds.shape[:2]
+        and isinstance(pixel_position_ids, torch.Tensor)
+        and pixel_position_ids.shape == (*inputs_embeds.shape[:2], 2)
+    )
+    if state is None or not shaped or any(name not in _PASSIVE_KWARGS for name in kwargs) or not _supported(self):
+        return patching.stock_method(self, "forward")(inputs_embeds, attention_mask, pixel_position_ids, **kwargs)
+    stock_mask = _modeling(self).create_bidirectional_mask(
+        config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+    )
+    rows = inputs_embeds.flatten(0, 1)
+    attend = padded_attention(attention_mask)
+    stock_kwargs = dict(attention_mask=stock_mask)
+    ids = pixel_position_ids.flatten(0, 1)
+    h = run_layers(self, rows, ids, attend, state.backend, attention_mask.shape, stock_kwargs)
+    return _modeling(self).BaseModelOutputWithPast(last_hidden_state=h.view_as(inputs_embeds))

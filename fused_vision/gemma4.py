@@ -335,8 +335,10 @@ def apply_fused_vision_to_gemma4(
         encoder: "stock" leaves ``Gemma4VisionModel.forward`` stock; "packed" makes it strip the padding and
             run the packed encoder (``fused_vision.packed``), with stock's outputs; "fused" runs the packed
             encoder with fused layers (``fused_vision.fused_layer``: concatenated QKV and gate/up GEMMs,
-            whose weights the parameters then view, and the layer kernels). Both need sdpa, eager or flash
-            attention configured; ``encode_images`` on a tower patched so runs the same encoder.
+            whose weights the parameters then view, and the layer kernels), and makes
+            ``Gemma4VisionEncoder.forward`` run them on its padded batch (under torch.compile the tower's
+            forward runs padded). Both need sdpa, eager or flash attention configured; ``encode_images``
+            on a tower patched so runs the same encoder.
 
     Returns:
         The number of modules (with ``model``) or classes (without) this call set to a fused op. Calling
@@ -362,6 +364,9 @@ def apply_fused_vision_to_gemma4(
         encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state)
     embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
     targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=encoder_target)
+    if encoder == "fused":  # the encoder's own forward too, padded: for torch.compile and its direct callers
+        methods = {"forward": fused_layer.padded_encoder_forward}
+        targets.append(patching.Target(modeling.Gemma4VisionEncoder, methods, state))
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
         "have no vision tower), or call it with model=None before the model is built."

@@ -112,11 +112,9 @@ def _run_encoder(tower, inputs_embeds, position_ids, lengths):
     state = patching.fused_state(tower)
     with packed_attention(configs):
         if state is not None and state.op == "fused_encoder":
-            segments = (offsets, lengths, longest)
-            hidden_states = fused_layer.run_layers(
-                tower.encoder, inputs_embeds[0], position_ids[0], segments, state.backend, packed_kwargs
-            )
-            return hidden_states[None]
+            attend = fused_layer.packed_attention(offsets, lengths, longest)
+            rows, ids, shape = inputs_embeds[0], position_ids[0], (1, inputs_embeds.shape[1])
+            return fused_layer.run_layers(tower.encoder, rows, ids, attend, state.backend, shape, packed_kwargs)[None]
         output = tower.encoder(inputs_embeds=inputs_embeds, pixel_position_ids=position_ids, **packed_kwargs)
         return output.last_hidden_state
 
@@ -202,7 +200,10 @@ def encoder_target(tower_cls: type, model, state) -> patching.Target:
 def packed_model_forward(self, pixel_values, pixel_position_ids, **kwargs):
     """``Gemma4VisionModel.forward`` through the packed encoder: the padding stripped, the same outputs."""
     state = patching.fused_state(self)
-    if state is None or not _packs(self, pixel_values, pixel_position_ids, kwargs):
+    # Under torch.compile stock's padded forward runs (its encoder's layers fused where so patched): packing
+    # reads the items' lengths on the host.
+    packs = not torch.compiler.is_compiling() and _packs(self, pixel_values, pixel_position_ids, kwargs)
+    if state is None or not packs:
         return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
     check_attention(self.config)
     output_class = stock_output_class(next(cls for cls in type(self).__mro__ if "forward" in cls.__dict__))

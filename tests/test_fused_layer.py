@@ -106,14 +106,14 @@ def test_the_patched_tower_forward_returns_stock_outputs_and_reverts(kind):
     pixels, ids = make_inputs(GRIDS + [(2, 2)], SEQ_LEN, seed=9)
     stock = tower(pixel_values=pixels, pixel_position_ids=ids)
     before = storages(tower)
-    assert apply_fused_vision_to_gemma4(tower, encoder="fused") == 3
+    assert apply_fused_vision_to_gemma4(tower, encoder="fused") == 4, "the tower, its encoder, embedder, pooler"
     assert "fused_encoder(backend=auto)" in fused_ops(tower)
     got = tower(pixel_values=pixels, pixel_position_ids=ids)
     assert type(got) is type(stock) and list(got.keys()) == list(stock.keys())
     assert_close(got.last_hidden_state, stock.last_hidden_state, **FP32_CLOSE, what="soft tokens")
     assert sum(storages(tower).values()) == sum(before.values()), "the concatenated weights replace the originals"
 
-    assert revert_fused_vision_gemma4(tower) == 3
+    assert revert_fused_vision_gemma4(tower) == 4
     assert len(storages(tower)) == len(before), "each parameter owns its storage again"
     assert_bit_identical(run_tower(tower, pixels, ids), stock.last_hidden_state, "reverted")
 
@@ -207,7 +207,7 @@ def test_a_lora_adapted_layer_runs_stock_code_and_trains():
     assert_close(outputs[1], outputs[0], **FP32_CLOSE, what="soft tokens")
     for got, expected in zip(grads[1], grads[0]):
         assert_close(got, expected, rtol=1e-4, atol=1e-6, what="adapter gradient")
-    with pytest.warns(RuntimeWarning, match=r"layer\(s\) 1 run stock code .*: self_attn.q_proj.linear is a LoRALinear"):
+    with pytest.warns(RuntimeWarning, match=r"layer\(s\) 1 run stock code: self_attn.q_proj.linear is a LoRALinear"):
         _dispatch._WARNED.clear()
         tower(pixel_values=pixels, pixel_position_ids=ids)
 
@@ -222,19 +222,19 @@ def test_layers_that_cannot_run_fused_run_stock_code_with_one_warning(condition)
     calls, context = [], torch.no_grad()
     if condition == "forward hook":
         tower.encoder.layers[1].mlp.up_proj.register_forward_hook(lambda *args: calls.append(1))
-        expected = r"layer\(s\) 1 run stock code on the packed sequence: mlp.up_proj has forward hooks"
+        expected = r"layer\(s\) 1 run stock code: mlp.up_proj has forward hooks"
     elif condition == "float64":
         tower, pixels = tower.double(), [p.double() for p in pixels]
-        expected = r"layer\(s\) 0, 1 run stock code .*: hidden states of dtype torch.float64"
+        expected = r"layer\(s\) 0, 1 run stock code: hidden states of dtype torch.float64"
     elif condition == "autocast":
         context = torch.autocast(DEVICE.type, dtype=torch.bfloat16)
-        expected = r"layer\(s\) 0, 1 run stock code .*: autocast"
+        expected = r"layer\(s\) 0, 1 run stock code: autocast"
     else:
         checkpointing = getattr(tower, "activation_checkpointing_enable", None)  # 5.24+; older: gradient_...
         (checkpointing or tower.gradient_checkpointing_enable)()
         tower.train()
         context = torch.enable_grad()
-        expected = r"layer\(s\) 0, 1 run stock code .*: gradient checkpointing"
+        expected = r"layer\(s\) 0, 1 run stock code: gradient checkpointing"
     with context:
         stock = packed.encode(tower, pixels, ids, True)  # the packed encoder, stock layers
     calls.clear()
@@ -265,18 +265,59 @@ def test_gradients_through_the_fused_tower_match_stock(kind):
         assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
 
 
-def test_the_fused_layers_compile_fullgraph():
-    """The packing reads item lengths on the host; the layers it then runs are one graph."""
-    tower = fused(tower_of("e2b_like"))
-    pixels, ids = mixed_items()
-    _, lengths, packed_pixels, packed_ids = packed.pack_items(pixels, ids)
-    no_padding = torch.zeros(packed_ids.shape[:2], dtype=torch.bool, device=DEVICE)
+@pytest.fixture
+def fused_layers(monkeypatch):
+    """How many layers ran fused."""
+    calls, layer = [], fl._fused_layer
+    monkeypatch.setattr(fl, "_fused_layer", lambda *args: calls.append(1) or layer(*args))
+    return calls
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_encoder_called_itself_runs_fused_layers_on_its_padded_batch(fused_layers, kind):
+    """As torch.compile's trace of the tower and engines that call the submodules reach it."""
+    tower = tower_of(kind)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=3)
+    valid = ~(ids == -1).all(-1)
     with torch.no_grad():
-        hidden = tower.patch_embedder(packed_pixels, packed_ids, no_padding)[0]
-        segments = (packed.boundaries(lengths, DEVICE), lengths, max(lengths))
-        arguments = (tower.encoder, hidden, packed_ids[0], segments, "auto", {})
-        eager = fl.run_layers(*arguments)
-        torch._dynamo.reset()
-        compiled = torch.compile(fl.run_layers, fullgraph=True, backend="aot_eager")(*arguments)
-        torch._dynamo.reset()
-    assert_close(compiled, eager, **FP32_CLOSE, what="compiled layers")
+        embeds = tower.patch_embedder(pixels, ids, ~valid)
+        stock = tower.encoder(inputs_embeds=embeds, attention_mask=valid, pixel_position_ids=ids).last_hidden_state
+        fused(tower)
+        got = tower.encoder(inputs_embeds=embeds, attention_mask=valid, pixel_position_ids=ids).last_hidden_state
+    assert len(fused_layers) == 2
+    assert_close(got[valid], stock[valid], **FP32_CLOSE, what="real rows")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_fused_tower_compiles_fullgraph_forward_and_backward(fused_layers, kind):
+    """Under torch.compile the tower's forward runs padded (packing reads lengths on the host), its layers
+    fused: with stock's one break captured as a dynamic-shape op, one graph."""
+    tower = tower_of(kind)
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    with torch.no_grad():
+        stock = run_tower(tower, pixels, ids)
+    fused(tower)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled_tower = torch.compile(tower, fullgraph=True, backend="aot_eager")
+        compiled = compiled_tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+        compiled.square().mean().backward()
+    torch._dynamo.reset()
+    assert fused_layers == [1, 1], "traced through the fused layers"
+    assert_close(compiled.detach(), stock, **FP32_CLOSE, what="fullgraph tower")
+    assert tower.encoder.layers[0].self_attn.q_proj.linear.weight.grad is not None
+
+
+def test_recording_hidden_states_once_leaves_the_layers_fused(fused_layers):
+    """transformers 5.10+ keeps its output-capturing hooks on the layers after a recording forward; idle,
+    they do not stop the fused layers."""
+    tower = fused(tower_of("31b_like"))
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN)
+    with torch.no_grad(), pytest.warns(RuntimeWarning, match="records hidden states or attentions"):
+        recorded = tower(pixel_values=pixels, pixel_position_ids=ids, output_hidden_states=True)
+    assert recorded.hidden_states is not None and not fused_layers, "recording runs stock"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        got = run_tower(tower, pixels, ids)
+    assert fused_layers == [1, 1]
+    assert_close(got, recorded.last_hidden_state, **FP32_CLOSE, what="soft tokens")
