@@ -23,7 +23,7 @@ import torch
 import fused_vision
 
 from . import report
-from .encoder import Mix, bench_encoder
+from .encoder import ENCODER_PROVIDERS, Mix, bench_encoder
 from .measure import (
     Budget,
     Ceiling,
@@ -309,7 +309,7 @@ def run(options: Options) -> Path:
         )
         log(
             f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)} "
-            f"(encoders: {', '.join(plan.encoder_providers)}); "
+            f"(encoders: {', '.join(p for p in ENCODER_PROVIDERS if p in plan.encoder_providers)}); "
             f"cases {', '.join(case.name for case in plan.stem_cases)} "
             f"(towers: {', '.join(case.name for case in plan.tower_cases)}; "
             f"encoders: {', '.join(Mix(case).name for case in plan.encoder_cases)}); "
