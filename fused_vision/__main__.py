@@ -77,14 +77,14 @@ def _parser() -> argparse.ArgumentParser:
         description="Benchmark fused_vision against the one-hot and its peers. Writes results.csv, "
         "low_memory.csv, results.md, time.png, memory.png (where peaks were measured) and log.txt to --out. "
         "Defaults: on a GPU, everything at the checkpoints' shapes in bf16; on a CPU, the stem ops' onehot and "
-        "embedding providers at small shapes and the E2B/E4B encoder's stock, padded and packed calls at one "
-        "layer, in fp32.",
+        "embedding providers and the layer ops' stock at small cases, and the E2B/E4B encoder's stock, padded, "
+        "packed and fused calls at one layer, in fp32.",
     )
     bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
     bench.add_argument(
         "--ops",
         type=_name_list(OPS, {**OP_GROUPS, "all": OPS}),
-        help=f"comma-separated: {', '.join(OPS)}; or stem, tower, encoder, all",
+        help=f"comma-separated: {', '.join(OPS)}; or stem, layer, tower, encoder, all",
     )
     bench.add_argument("--providers", type=_name_list(PROVIDERS, {}), help=f"comma-separated: {', '.join(PROVIDERS)}")
     bench.add_argument(
@@ -93,7 +93,9 @@ def _parser() -> argparse.ArgumentParser:
         help="comma-separated <image|video>_<items>x<soft tokens>, e.g. video_32x70,image_8x280 (towers and "
         "encoders too; an encoder's image case is a mix of aspect ratios)",
     )
-    bench.add_argument("--hidden", type=_int_list, help="comma-separated widths D of the stem ops (default 1152)")
+    bench.add_argument(
+        "--hidden", type=_int_list, help="comma-separated widths D of the stem and layer ops (default 1152)"
+    )
     bench.add_argument(
         "--dtype",
         choices=DTYPES,

@@ -1,9 +1,15 @@
-"""Whole encoder calls on processor mixes: the packed encoder against the stock tower, in items/s and peak memory.
+"""Whole encoder calls on processor mixes: the packed and fused encoders against the stock tower, in items/s,
+FLOP rate and peak memory.
 
 Providers, on one unpatched tower and its weights: ``stock`` (the tower's padded forward on the processor's
 batch), ``compiled`` (``torch.compile`` of it; its compile is logged, not timed), ``padded``
 (``fused_vision.encode_images(packed=False)``: padded buckets) and ``packed`` (``encode_images(packed=True)``:
-the padding dropped, one sequence with per-item boundaries).
+the padding dropped, one sequence with per-item boundaries). ``fused`` is ``encode_images`` on a deep copy of
+that tower under ``apply_fused_vision_to_gemma4(copy, encoder="fused")`` (the fused embedder, pooler and
+layers); the Triton backend on a GPU, the ops' PyTorch reference on a CPU (whose Triton is an interpreter).
+
+FLOP rates count the useful FLOPs alone, those on real patches (``encoder_flops``), for every provider: the
+padded providers execute more, so a rate compares how fast each turns the same work into soft tokens.
 
 Mixes come from transformers' ``Gemma4ImageProcessorPil`` (patch size 16, pooling 3) on synthetic random
 images: ``image_mix_<n>x<L>`` cycles ``ASPECT_RATIOS``, ``video_<n>x<L>`` is n frames of one 16:9 video,
@@ -12,6 +18,7 @@ during the run (other processes, clocks, heat) reaches every provider alike. On 
 layer: each layer costs the same, so the ratios hold up to the embedder's and pooler's share of a call.
 """
 
+import copy
 import itertools
 import time
 from dataclasses import dataclass
@@ -25,10 +32,10 @@ import fused_vision
 from .measure import Peak, call_peak, interleaved_times, synchronize, tensor_bytes
 from .ops import Unsupported, compile_static
 from .tower import VISION_TOWERS, build_tower, tower_shape
-from .workloads import PATCH_SIZE, POOLING_KERNEL, Case
+from .workloads import PATCH_FEATURES, PATCH_SIZE, POOLING_KERNEL, Case
 
 ENCODER_TOWERS = {"encoder_e2b_e4b": "tower_e2b_e4b", "encoder_26b_31b": "tower_26b_31b"}
-ENCODER_PROVIDERS = ("stock", "compiled", "padded", "packed")
+ENCODER_PROVIDERS = ("stock", "compiled", "padded", "packed", "fused")
 ASPECT_RATIOS = ((4, 3), (3, 4), (16, 9), (9, 16), (1, 1), (3, 1), (1, 3))  # (width, height)
 VIDEO_ASPECT_RATIO = (16, 9)
 SIDE_UNIT_PX = 80  # a (w, h) image is w·80 x h·80 pixels (16:9: 1280x720); the processor resizes it to its budget
@@ -90,10 +97,39 @@ def layer_note(op: str, layers: int, tiny: bool) -> str:
     return f"{layers} of its {full} layers (a CPU run: {cost})"
 
 
-def provider_call(provider: str, model: torch.nn.Module, pixels: torch.Tensor, ids: torch.Tensor):
-    """The call ``provider`` times: every one without autograd, as ``encode_images`` runs."""
-    if provider in ("padded", "packed"):
-        return partial(fused_vision.encode_images, model, pixels, ids, packed=provider == "packed")
+def encoder_flops(shape: dict, patches: list[int]) -> int:
+    """FLOPs of one tower call of ``shape`` on items of ``patches`` tokens each, every item attending over its
+    own tokens: the embedder's projection, then per layer the q/k/v, o, gate/up and down GEMMs and the
+    attention's two matmuls (the norms, RoPE, GELU and pooler are a rounding error)."""
+    hidden, intermediate, head_dim = shape["hidden_size"], shape["intermediate_size"], shape["head_dim"]
+    heads, kv_heads = shape["num_attention_heads"], shape["num_key_value_heads"]
+    tokens = sum(patches)
+    gemms = 2 * tokens * hidden * ((heads + 2 * kv_heads) * head_dim + heads * head_dim + 3 * intermediate)
+    attention = 4 * sum(n * n for n in patches) * heads * head_dim
+    return 2 * tokens * PATCH_FEATURES * hidden + shape["num_hidden_layers"] * (gemms + attention)
+
+
+def fused_backend(device: torch.device) -> str:
+    # Triton, so that a failing kernel raises rather than time the reference as fused; a CPU's is an interpreter.
+    return "reference" if device.type == "cpu" else "triton"
+
+
+def fused_tower(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """A deep copy of ``model`` running the fused encoder (default embedder and pooler too): the other
+    providers keep the stock tower, and the copy's concatenated weights share no storage with it."""
+    from fused_vision.gemma4 import apply_fused_vision_to_gemma4
+
+    fused = copy.deepcopy(model)
+    apply_fused_vision_to_gemma4(fused, encoder="fused", backend=fused_backend(device))
+    return fused
+
+
+def provider_call(provider: str, towers: dict, pixels: torch.Tensor, ids: torch.Tensor):
+    """The call ``provider`` times, on ``towers[provider]`` (the stock tower where it has none of its own):
+    every one without autograd, as ``encode_images`` runs."""
+    model = towers.get(provider, towers["stock"])
+    if provider in ("padded", "packed", "fused"):
+        return partial(fused_vision.encode_images, model, pixels, ids, packed=provider != "padded")
     if provider == "compiled":
         torch._dynamo.reset()  # a fresh compile per mix: its time is the mix's own
     forward = compile_static(model) if provider == "compiled" else model
@@ -138,36 +174,52 @@ def bench_encoder(session, op: str, providers: tuple[str, ...], encoder_cases: t
     session.log(f"{op}: building {ENCODER_TOWERS[op]} with {note}; random weights, {session.dtype_name}, sdpa")
     torch.manual_seed(0)  # the compiled section builds it again: the same weights
     try:
-        model = build_tower(ENCODER_TOWERS[op], device, session.dtype, tiny=tiny, layers=layers)
+        towers = {"stock": build_tower(ENCODER_TOWERS[op], device, session.dtype, tiny=tiny, layers=layers)}
     except Exception as exc:
         return skip_all(inputs, exc)
+    if "fused" in providers:
+        try:
+            towers["fused"] = fused_tower(towers["stock"], device)
+            session.log(
+                f"  fused: a copy of it under apply_fused_vision_to_gemma4(encoder='fused'), "
+                f"backend {fused_backend(device)!r}"
+            )
+        except Exception as exc:  # no fused_vision.gemma4 on this transformers: the other providers still run
+            for mix in inputs:
+                session.skip(op, "fused", mix, hidden, exc)
+            providers = tuple(p for p in providers if p != "fused")
     for mix, (pixels, ids) in inputs.items():
         if session.out_of_time():
             skip_all((mix,), session.time_budget_reason())
             continue
-        real = int((ids != -1).any(dim=-1).sum())
+        items, patches = ids.shape[:2]
+        real = (ids != -1).any(dim=-1).sum(dim=1).tolist()
+        useful, executed = encoder_flops(shape, real), encoder_flops(shape, [patches] * items)
         session.log(
-            f"  {op} {mix.name}: {ids.shape[0]} items of N={ids.shape[1]} patches, "
-            f"{100 * real / ids.shape[:2].numel():.1f}% real; aspect ratios "
-            f"{', '.join(f'{w}:{h}' for w, h in dict.fromkeys(mix.aspect_ratios))}"
+            f"  {op} {mix.name}: {items} items of N={patches} patches, "
+            f"{100 * sum(real) / (items * patches):.1f}% real; aspect ratios "
+            f"{', '.join(f'{w}:{h}' for w, h in dict.fromkeys(mix.aspect_ratios))}; "
+            f"{useful / 1e9:.3g} GFLOP on real patches, {executed / useful:.2f}× that padded"
         )
-        measure_mix(session, op, providers, mix, model, pixels, ids, dict(D=hidden, layers=layers, real_patches=real))
-    del model, inputs
+        fields = dict(D=hidden, layers=layers, real_patches=sum(real))
+        measure_mix(session, op, providers, mix, towers, pixels, ids, fields, useful)
+    del towers, inputs
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
-def measure_mix(session, op, providers, mix, model, pixels, ids, fields: dict) -> None:
-    """Each provider's untimed first calls (a warm-up on a GPU, then its peak), then the interleaved repetitions."""
+def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: dict, flops: int) -> None:
+    """Each provider's untimed first calls (a warm-up on a GPU, then its peak), then the interleaved repetitions;
+    ``flops``, the call's useful FLOPs, give every provider's FLOP rate."""
     device = session.options.device
-    existing = [*model.parameters(), *model.buffers(), pixels, ids]
+    existing = [t for model in towers.values() for t in (*model.parameters(), *model.buffers())] + [pixels, ids]
     calls: dict[str, object] = {}
     measured: dict[str, tuple[Peak, int, float]] = {}
     first: tuple[str, torch.Tensor] | None = None
     for provider in providers:
         failure = None
         try:
-            call = provider_call(provider, model, pixels, ids)
+            call = provider_call(provider, towers, pixels, ids)
             start = time.perf_counter()
             if device.type == "cuda":  # compiles and cuBLAS's workspace stay out of the peak
                 call()
@@ -201,7 +253,10 @@ def measure_mix(session, op, providers, mix, model, pixels, ids, fields: dict) -
         return
     items = ids.shape[0]
     for provider, (peak, output_bytes, first_call_s) in measured.items():
+        ms = times[provider]
         row = dict(op=op, provider=provider, case=mix.name, B=items, N=ids.shape[1], dtype=session.dtype_name)
-        row |= fields | dict(ms_p50=times[provider].p50, ms_p20=times[provider].p20, ms_p80=times[provider].p80)
+        row |= fields | dict(ms_p50=ms.p50, ms_p20=ms.p20, ms_p80=ms.p80)
         row |= dict(peak_bytes=peak.allocated, peak_requested_bytes=peak.requested, output_bytes=output_bytes)
-        session.record(row | dict(items_per_s=items / times[provider].p50 * 1e3), first_call_s)
+        tflops = flops / ms.p50 / 1e9
+        row |= dict(tflops=tflops, pct_of_matmul=100 * tflops / session.matmul.tflops)
+        session.record(row | dict(items_per_s=items / ms.p50 * 1e3), first_call_s)

@@ -6,6 +6,7 @@ from pathlib import Path
 import torch
 
 from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS
+from .layer_ops import LAYER_OPS
 from .ops import STEM_OPS
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS
 from .workloads import (
@@ -20,11 +21,15 @@ from .workloads import (
 
 TOWER_OPS = tuple(VISION_TOWERS)
 ENCODER_OPS = tuple(ENCODER_TOWERS)
-OPS = (*STEM_OPS, *TOWER_OPS, *ENCODER_OPS, "low_memory")
-OP_GROUPS = {"stem": tuple(STEM_OPS), "tower": TOWER_OPS, "encoder": ENCODER_OPS}
-PROVIDERS = ("onehot", "embedding", "compiled", "fused", "fused_kernel", "stock", "padded", "packed")
-CPU_OPS = (*STEM_OPS, "encoder_e2b_e4b")
+OP_BENCHES = {**STEM_OPS, **LAYER_OPS}  # the ops timed one call at a time, at the stem cases
+OPS = (*OP_BENCHES, *TOWER_OPS, *ENCODER_OPS, "low_memory")
+OP_GROUPS = {"stem": tuple(STEM_OPS), "layer": tuple(LAYER_OPS), "tower": TOWER_OPS, "encoder": ENCODER_OPS}
+PROVIDERS = ("stock", "onehot", "embedding", "compiled", "fused", "fused_kernel", "padded", "packed")
+CPU_OPS = (*OP_BENCHES, "encoder_e2b_e4b")
 CPU_PROVIDERS = ("onehot", "embedding", "stock", "padded", "packed")
+# The encoder's fused provider runs the ops' PyTorch path on a CPU, a real measurement; the stem and layer ops'
+# fused providers run Triton, which a CPU runs only in its interpreter.
+CPU_ENCODER_PROVIDERS = (*CPU_PROVIDERS, "fused")
 DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, that of the baselines (bench/baselines.md)
 TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
 # The whole comparison must end within 5 minutes on an H200: this leaves ~90 s for start-up,
@@ -54,8 +59,9 @@ class Plan:
     """What a run does: the options, with the device's defaults where they leave a choice open.
 
     GPUs run everything at the checkpoints' shapes in bf16 (their dtype; pixels stay float32, as the
-    processors emit them). CPUs run the stem ops' one-hot and F.embedding code at small shapes, and the
-    E2B/E4B encoder's stock, padded and packed calls at one layer, in fp32: compiles take minutes there,
+    processors emit them). CPUs run the stem ops' one-hot and F.embedding code and the layer ops' stock code
+    at small cases, and the E2B/E4B encoder's stock, padded, packed and fused calls at one layer, in fp32:
+    compiles take minutes there,
     Triton runs on a CPU only in its interpreter, whose times mean nothing, and a CPU without bf16 matmul
     instructions emulates them (one bf16 one-hot lookup at video_2x70 took 15 s on a 2-core x86, 50x its
     fp32 time). ``--tiny`` shrinks the towers and the stem ops' cases, not the encoder's processor mixes.
@@ -63,6 +69,7 @@ class Plan:
 
     ops: tuple[str, ...]
     providers: tuple[str, ...]
+    encoder_providers: tuple[str, ...]
     stem_cases: tuple[Case, ...]
     tower_cases: tuple[Case, ...]
     encoder_cases: tuple[Case, ...]
@@ -75,6 +82,7 @@ class Plan:
         return cls(
             ops=options.ops or (OPS if on_gpu else CPU_OPS),
             providers=options.providers or (PROVIDERS if on_gpu else CPU_PROVIDERS),
+            encoder_providers=options.providers or (PROVIDERS if on_gpu else CPU_ENCODER_PROVIDERS),
             stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
             tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES[:1]),
             encoder_cases=options.cases or (GPU_ENCODER_CASES if on_gpu else CPU_ENCODER_CASES),
@@ -87,6 +95,10 @@ class Plan:
         return tuple(op for op in STEM_OPS if op in self.ops)
 
     @property
+    def layer_ops(self) -> tuple[str, ...]:
+        return tuple(op for op in LAYER_OPS if op in self.ops)
+
+    @property
     def tower_ops(self) -> tuple[str, ...]:
         return tuple(op for op in TOWER_OPS if op in self.ops)
 
@@ -96,8 +108,9 @@ class Plan:
 
     def task_count(self) -> int:
         chosen = set(self.providers)
-        stem = sum(len(chosen & set(STEM_OPS[op].providers)) for op in self.stem_ops)
-        count = stem * len(self.stem_cases) * len(self.hidden_sizes)
+        ops = sum(len(chosen & set(OP_BENCHES[op].providers)) for op in (*self.stem_ops, *self.layer_ops))
+        count = ops * len(self.stem_cases) * len(self.hidden_sizes)
         count += len(self.tower_ops) * len(chosen & set(TOWER_PROVIDERS)) * len(self.tower_cases)
-        count += len(self.encoder_ops) * len(chosen & set(ENCODER_PROVIDERS)) * len(self.encoder_cases)
+        encoder_providers = set(self.encoder_providers) & set(ENCODER_PROVIDERS)
+        count += len(self.encoder_ops) * len(encoder_providers) * len(self.encoder_cases)
         return count + (len(LOW_MEMORY_PATHS) * len(LOW_MEMORY_WORKLOADS) if "low_memory" in self.ops else 0)

@@ -6,8 +6,18 @@ from collections import defaultdict
 from pathlib import Path
 
 from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
+from .layer_ops import LAYER_OPS
 from .measure import Ceiling
-from .targets import ENCODER_TARGETS, GOALS, TARGET_CASE, TARGET_DTYPE, TARGET_HIDDEN, Verdict, verdicts
+from .targets import (
+    ENCODER_TARGETS,
+    GOALS,
+    LAYER_OP_TARGETS,
+    TARGET_CASE,
+    TARGET_DTYPE,
+    TARGET_HIDDEN,
+    Verdict,
+    verdicts,
+)
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
@@ -139,8 +149,9 @@ def _cell(row: dict | None, with_floor: bool) -> str:
     return " · ".join(parts)
 
 
-def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...]) -> list[str]:
-    """One table per (op, D): a row per case, a column per provider that ran, the one-hot-to-fused ratio."""
+def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...], device_type: str) -> list[str]:
+    """One table per (op, D): a row per case, a column per provider that ran, the baseline-to-fused ratio (the
+    one-hot's, or stock's for the layer ops); a layer op's caption judges its target."""
     groups: dict[tuple[str, int, str], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         if row["op"] not in CEILING_OPS:
@@ -149,8 +160,10 @@ def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str,
     for (op, hidden, dtype), by_case in groups.items():
         present = [p for p in providers if any(p in by_provider for by_provider in by_case.values())]
         stem = op in stem_ops
-        speedup = "onehot" in present and "fused" in present
-        header = ["case", "patches", *(["floor"] if stem else []), *present, *(["onehot / fused"] if speedup else [])]
+        baseline = next((p for p in ("onehot", "stock") if p in present), None)
+        speedup = baseline is not None and "fused" in present
+        header = ["case", "patches", *(["floor"] if stem else []), *present]
+        header += [f"{baseline} / fused"] if speedup else []
         body = []
         for case, by_provider in by_case.items():
             first = next(iter(by_provider.values()))
@@ -159,11 +172,15 @@ def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str,
                 cells.append(format_ms(first["floor_ms"]) if first.get("floor_ms") else "—")
             cells += [_cell(by_provider.get(p), stem) for p in present]
             if speedup:
-                both = "onehot" in by_provider and "fused" in by_provider
-                ratio = by_provider["onehot"]["ms_p50"] / by_provider["fused"]["ms_p50"] if both else None
+                both = baseline in by_provider and "fused" in by_provider
+                ratio = by_provider[baseline]["ms_p50"] / by_provider["fused"]["ms_p50"] if both else None
                 cells.append(f"{significant(ratio, 2)}×" if ratio else "—")
             body.append(cells)
-        lines += [f"### {op} · D={hidden} · {dtype}", "", *_table(header, body)]
+        lines += [f"### {op} · D={hidden} · {dtype}", ""]
+        target = LAYER_OP_TARGETS.get(device_type) if op in LAYER_OPS else None
+        if target is not None:
+            lines += [target.judge([row for by_provider in by_case.values() for row in by_provider.values()]), ""]
+        lines += _table(header, body)
     return lines
 
 
@@ -173,27 +190,42 @@ def _ratio(by_provider: dict[str, dict], numerator: str, denominator: str) -> st
     return f"{by_provider[numerator]['items_per_s'] / by_provider[denominator]['items_per_s']:.2f}×"
 
 
+def _encoder_cell(row: dict | None) -> str:
+    """``items/s · peak · TFLOP/s (% of matmul)``, the parts this row has."""
+    if row is None:
+        return "—"
+    parts = [f"{significant(row['items_per_s'])}/s"]
+    if row["peak_bytes"] is not None:
+        parts.append(format_bytes(row["peak_bytes"]))
+    if row.get("tflops") is not None:
+        parts.append(f"{significant(row['tflops'])} TFLOP/s ({format_pct(row['pct_of_matmul'])})")
+    return " · ".join(parts)
+
+
 def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
-    """One table per (op, dtype): a row per mix, each provider's items/s and peak, packed's ratios; the target."""
+    """One table per (op, dtype): a row per mix, each provider's items/s, peak and FLOP rate, packed's and
+    fused's ratios; the targets in the caption."""
     groups: dict[tuple[str, str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         groups[row["op"], row["dtype"], row["layers"]][row["case"]][row["provider"]] = row
     lines = []
     for (op, dtype, layers), by_case in groups.items():
         present = [p for p in ENCODER_PROVIDERS if any(p in by_provider for by_provider in by_case.values())]
-        header = ["case", "items", "real patches", *present, "packed / stock", "packed / padded"]
+        ratios = [("packed", "stock"), ("packed", "padded")]
+        ratios += [("fused", "stock"), ("fused", "packed")] if "fused" in present else []
+        header = ["case", "items", "real patches", *present, *(f"{a} / {b}" for a, b in ratios)]
         body = []
         for case, by_provider in by_case.items():
             first = next(iter(by_provider.values()))
             cells = [case, str(first["B"]), f"{100 * first['real_patches'] / (first['B'] * first['N']):.1f}%"]
-            for provider in present:
-                row = by_provider.get(provider)
-                peak = "" if row is None or row["peak_bytes"] is None else f" · {format_bytes(row['peak_bytes'])}"
-                cells.append("—" if row is None else f"{significant(row['items_per_s'])}/s{peak}")
-            body.append(cells + [_ratio(by_provider, "packed", "stock"), _ratio(by_provider, "packed", "padded")])
-        note = f"{ENCODER_TOWERS[op]} with {layer_note(op, layers, tiny)}."
-        lines += [f"### {op} · {dtype}", "", f"{note} {ENCODER_TARGETS[device_type].judge(by_case, dtype)}"]
-        lines += ["", *_table(header, body)]
+            cells += [_encoder_cell(by_provider.get(provider)) for provider in present]
+            body.append(cells + [_ratio(by_provider, a, b) for a, b in ratios])
+        note = (
+            f"{ENCODER_TOWERS[op]} with {layer_note(op, layers, tiny)}. TFLOP/s counts every provider's useful "
+            "FLOPs alone, those on the real patches (attention within each item), so the rates compare."
+        )
+        judged = [f"- {target.judge(by_case, dtype)}" for target in ENCODER_TARGETS[device_type]]
+        lines += [f"### {op} · {dtype}", "", note, "", *judged, "", *_table(header, body)]
     return lines
 
 
@@ -276,21 +308,22 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
     if any(row["op"] not in CEILING_OPS for row in other_rows):
         lines += [
             "Cells: median time · peak bytes allocated beyond the inputs, output included (CUDA only) · for the stem "
-            "ops, % of the floor, where floor = max(bytes the op must move / copy bandwidth, FLOPs / matmul rate). "
-            "onehot / fused: the fused op's speed-up over the one-hot.",
+            "and layer ops, % of the floor, where floor = max(bytes the op must move / copy bandwidth, FLOPs / matmul "
+            "rate). onehot / fused, stock / fused: the fused op's speed-up over the one-hot or stock's eager code.",
             "",
         ]
     if encoder_rows:
         lines += [
             "Encoder cells: items/s (items over the median time of a call, over repetitions that interleave the "
             "providers) · peak beyond the weights and inputs, output included (CUDA: allocator blocks; CPU: the "
-            "live tensors the call creates, under no_grad). Ratios: packed's items/s over stock's and padded's.",
+            "live tensors the call creates, under no_grad) · TFLOP/s and its % of the matmul ceiling. Ratios: packed's "
+            "and fused's items/s over the other providers'.",
             "",
         ]
     if session.interrupted:
         lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
     lines += goal_lines(rows)
-    lines += op_tables(other_rows, providers, stem_ops)
+    lines += op_tables(other_rows, providers, stem_ops, session.options.device.type)
     lines += encoder_tables(encoder_rows, session.options.device.type, session.options.tiny)
     lines += low_memory_table(session.low_memory_rows)
     lines += skipped_lines(session.skipped)

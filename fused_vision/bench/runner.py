@@ -1,11 +1,11 @@
 """The driver: what runs, in which order, within what time, and what each measurement becomes.
 
 Order: the two ceilings; every stem op's providers but ``compiled``, the target case first (its first
-calls tune the kernels' tiles for the whole run); the towers; the low-memory scenario; the encoders'
-providers but ``compiled``; the ``compiled`` providers last, the stem ops' then the encoders'. Compile
-times are the one part of the run nobody can predict, so a run past its time budget loses compiled rows
-first, never the towers or the scenario; among them the embedder's at the target case and width go first:
-the comparison a target is set on.
+calls tune the kernels' tiles for the whole run); the layer ops, in the same order; the towers; the
+low-memory scenario; the encoders' providers but ``compiled``; the ``compiled`` providers last, the stem
+ops' then the encoders'. Compile times are the one part of the run nobody can predict, so a run past its
+time budget loses compiled rows first, never the towers or the scenario; among them the embedder's at the
+target case and width go first: the comparison a target is set on.
 """
 
 import platform
@@ -23,7 +23,7 @@ import torch
 import fused_vision
 
 from . import report
-from .encoder import Mix, bench_encoder
+from .encoder import ENCODER_PROVIDERS, Mix, bench_encoder
 from .measure import (
     Budget,
     Ceiling,
@@ -35,8 +35,8 @@ from .measure import (
     tensor_bytes,
     time_call,
 )
-from .ops import STEM_OPS, Unsupported
-from .plan import OPS, PROVIDERS, Options, Plan
+from .ops import Unsupported
+from .plan import OP_BENCHES, OPS, PROVIDERS, Options, Plan
 from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
 from .tower import bench_tower, run_low_memory
 from .workloads import Case
@@ -231,7 +231,7 @@ class Session:
 def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...], stem_cases, hidden_sizes) -> None:
     device = session.options.device
     for name in ops:
-        op = STEM_OPS[name]
+        op = OP_BENCHES[name]
         chosen = [p for p in op.providers if p in providers]
         for hidden in hidden_sizes:
             for case in stem_cases:
@@ -269,17 +269,21 @@ def run_sections(session: Session, plan: Plan) -> None:
     eager = tuple(p for p in plan.providers if p != "compiled")
     stem_cases = target_case_first(plan.stem_cases)
     session.guarded("stem ops", bench_stem, session, plan.stem_ops, eager, stem_cases, plan.hidden_sizes)
+    if plan.layer_ops:
+        session.guarded("layer ops", bench_stem, session, plan.layer_ops, eager, stem_cases, plan.hidden_sizes)
     for op in plan.tower_ops:
         session.guarded(op, bench_tower, session, op, plan.providers, plan.tower_cases)
     if "low_memory" in plan.ops:
         session.guarded("low_memory", run_low_memory, session)
+    encoder_eager = tuple(p for p in plan.encoder_providers if p != "compiled")
     for op in plan.encoder_ops:
-        session.guarded(op, bench_encoder, session, op, eager, plan.encoder_cases)
+        session.guarded(op, bench_encoder, session, op, encoder_eager, plan.encoder_cases)
     if "compiled" in plan.providers:
         first = tuple(op for op in COMPILED_FIRST if op in plan.stem_ops)
         ops = first + tuple(op for op in plan.stem_ops if op not in first)
         hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != TARGET_HIDDEN)
         session.guarded("compiled", bench_stem, session, ops, ("compiled",), stem_cases, hidden_sizes)
+    if "compiled" in plan.encoder_providers:
         for op in plan.encoder_ops:
             session.guarded(f"{op} compiled", bench_encoder, session, op, ("compiled",), plan.encoder_cases)
 
@@ -304,7 +308,8 @@ def run(options: Options) -> Path:
             f"transformers {env['transformers'] or '-'}, fused_vision {env['fused_vision']}"
         )
         log(
-            f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)}; "
+            f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)} "
+            f"(encoders: {', '.join(p for p in ENCODER_PROVIDERS if p in plan.encoder_providers)}); "
             f"cases {', '.join(case.name for case in plan.stem_cases)} "
             f"(towers: {', '.join(case.name for case in plan.tower_cases)}; "
             f"encoders: {', '.join(Mix(case).name for case in plan.encoder_cases)}); "
@@ -318,7 +323,7 @@ def run(options: Options) -> Path:
             sigint_ignored = True
             session.interrupted = True
             log("interrupted: writing the reports of what was measured so far")
-        written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(STEM_OPS))
+        written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(OP_BENCHES))
         log(report.goal_summary(verdicts(session.rows)))
         log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
     finally:

@@ -15,6 +15,8 @@ import torch
 
 from fused_vision.__main__ import main
 from fused_vision.bench import Case, plan, report, runner, targets
+from fused_vision.bench.encoder import ENCODER_TOWERS
+from fused_vision.bench.layer_ops import LAYER_OPS
 from fused_vision.bench.ops import (
     STEM_OPS,
     PatchEmbed,
@@ -57,7 +59,9 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
         for p in ("onehot", "embedding", "fused")
     }
     expected |= {("pool_by_positions_backward", p) for p in ("onehot", "fused")}
+    expected |= {(op, p) for op in LAYER_OPS for p in ("fused", "fused_kernel")}
     expected |= {(tower, p) for tower in TOWERS for p in ("onehot", "embedding", "fused")}
+    expected |= {(encoder, "fused") for encoder in ENCODER_TOWERS}
     assert measured == expected
 
     for row in rows:
@@ -66,10 +70,10 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
                 value = float(row[column])
                 assert math.isfinite(value) and value > 0, f"{row['op']}/{row['provider']}: {column} = {row[column]}"
         assert float(row["ms_p20"]) <= float(row["ms_p50"]) <= float(row["ms_p80"])
-        if row["op"] not in report.CEILING_OPS:
+        if row["op"] not in (*report.CEILING_OPS, *ENCODER_TOWERS):  # the encoders track a CPU's live tensors
             assert bool(row["peak_bytes"]) == (DEVICE.type == "cuda"), "peaks on CUDA, none on a CPU"
             assert bool(row["peak_requested_bytes"]) == (DEVICE.type == "cuda")
-        if row["op"] in STEM_OPS:
+        if row["op"] in (*STEM_OPS, *LAYER_OPS):
             assert row["model_bytes"] and row["pct_of_copy"] and row["floor_ms"]
     assert all(row["pct_of_matmul"] for row in rows if row["op"] in ("patch_embed", "patch_embed_backward"))
 

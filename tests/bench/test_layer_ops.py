@@ -1,0 +1,105 @@
+"""The layer ops in the ops section: their shapes, byte models, providers and the copy-bandwidth target."""
+
+import pytest
+import torch
+
+from fused_vision.bench import Case, plan, report
+from fused_vision.bench.layer_ops import (
+    LAYER_OPS,
+    GeluGate,
+    QkvNormRope,
+    ResidualRmsNorm,
+    gelu_gate_bytes,
+    layer_shape,
+    qkv_norm_rope_bytes,
+    residual_rms_norm_bytes,
+)
+from fused_vision.bench.ops import Unsupported
+from fused_vision.bench.targets import LAYER_OP_TARGETS, CopyShare
+
+from bench_cli import read_csv, run_cli
+from conftest import DEVICE
+
+PROVIDERS = ("stock", "fused", "fused_kernel")
+
+
+def test_the_shapes_are_the_towers_of_the_width():
+    big = layer_shape(1152)
+    assert (big["num_attention_heads"], big["head_dim"], big["intermediate_size"]) == (16, 72, 4304)
+    assert layer_shape(768)["use_clipped_linears"] and layer_shape(64)["head_dim"] == 32
+    with pytest.raises(Unsupported, match="no Gemma 4 vision tower has width D=100"):
+        layer_shape(100)
+
+
+def test_byte_models_match_hand_counts_at_the_26b_31b_shape():
+    """image_8x280: 8 items of 12 x 23 soft tokens, 36 x 69 = 2,484 real patches each, packed: T = 19,872."""
+    shape, tokens, bf16 = layer_shape(1152), 8 * 2484, torch.bfloat16
+    qkv = tokens * 48 * 72 * 2  # (T, (16 + 2 * 16) * 72) bf16, read and written once each
+    small = 2 * 72 * 2 + 18 * 4  # q_norm and k_norm weights, fp32 inverse frequencies
+    assert qkv_norm_rope_bytes(tokens, shape, bf16) == 2 * qkv + tokens * 2 * 8 + small == 275_028_840
+    assert residual_rms_norm_bytes(tokens, shape, bf16) == 4 * tokens * 1152 * 2 + 2 * 1152 * 2 == 183_144_960
+    assert gelu_gate_bytes(tokens, shape, bf16) == tokens * (2 * 4304 + 4304) * 2 == 513_174_528
+    clipped = layer_shape(768)
+    assert gelu_gate_bytes(10, clipped, bf16) == 10 * 3 * 3072 * 2 + 3 * 2 * 4
+
+
+def test_the_benches_run_on_the_cases_packed_patches():
+    case, cpu = Case.parse("video_1x70"), torch.device("cpu")
+    bench = QkvNormRope(case, 1152, torch.bfloat16, cpu)
+    assert bench.tokens == 33 * 18 and bench.args[0].shape == (594, 48 * 72) and bench.args[1].shape == (594, 2)
+    assert (bench.args[1] >= 0).all(), "no padding among the packed tokens"
+    assert bench.model_bytes == qkv_norm_rope_bytes(594, layer_shape(1152), torch.bfloat16)
+    assert ResidualRmsNorm(case, 1152, torch.bfloat16, cpu).args[0].shape == (594, 1152)
+    assert GeluGate(case, 768, torch.bfloat16, cpu).args[1].shape == (3, 2), "E2B/E4B's clipped linears clamp"
+
+
+@pytest.mark.parametrize("op", list(LAYER_OPS))
+def test_every_provider_computes_the_stock_formulation(op):
+    torch.manual_seed(0)
+    bench = LAYER_OPS[op](Case.parse("image_2x4"), 64, torch.float32, DEVICE)
+    expected = bench.call("stock")()
+    for provider in PROVIDERS[1:]:
+        actual = bench.call(provider)()
+        for got, want in zip(*(o if isinstance(o, tuple) else (o,) for o in (actual, expected))):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=f"{op} {provider}")
+
+
+def test_a_tiny_run_reports_the_layer_ops_bandwidth(tmp_path):
+    out = run_cli(tmp_path, "--ops", "layer", "--providers", ",".join(PROVIDERS))
+    _, rows = read_csv(out / "results.csv")
+    measured = {(row["op"], row["provider"]) for row in rows if row["op"] in LAYER_OPS}
+    assert measured == {(op, provider) for op in LAYER_OPS for provider in PROVIDERS}
+    for row in rows:
+        if row["op"] in LAYER_OPS:
+            assert float(row["model_bytes"]) > 0 and float(row["pct_of_copy"]) > 0 and float(row["floor_ms"]) > 0
+    markdown = (out / "results.md").read_text()
+    assert "### qkv_norm_rope · D=64 · float32" in markdown
+    assert "| case | patches | floor | stock | fused | fused_kernel | stock / fused |" in markdown
+    assert ("Target (GPU): fused and fused_kernel ≥ 70% of copy bandwidth" in markdown) == (DEVICE.type == "cuda")
+
+
+def test_the_defaults_run_the_layer_ops_with_the_stem_ops(tmp_path):
+    def default(device):
+        return plan.Plan.of(plan.Options(device=torch.device(device), out=tmp_path))
+
+    cpu, gpu = default("cpu"), default("cuda")
+    assert cpu.layer_ops == gpu.layer_ops == tuple(LAYER_OPS) and "stock" in cpu.providers
+    assert "image_8x280" in [case.name for case in gpu.stem_cases]
+    assert plan.OP_GROUPS["layer"] == ("qkv_norm_rope", "residual_rms_norm", "gelu_gate")
+
+
+def layer_row(provider, pct, case="image_8x280"):
+    return dict(op="gelu_gate", provider=provider, case=case, D=1152, dtype="bfloat16", pct_of_copy=pct)
+
+
+def test_the_copy_target_is_judged_on_every_triton_row():
+    target = LAYER_OP_TARGETS["cuda"]
+    assert isinstance(target, CopyShare) and "cpu" not in LAYER_OP_TARGETS
+    met = [layer_row("stock", 20.0), layer_row("fused", 70.0), layer_row("fused_kernel", 85.0, "video_32x70")]
+    assert target.judge(met).endswith(": met (lowest: fused 70% at image_8x280).")
+    missed = met + [layer_row("fused_kernel", 69.4, "image_32x280")]
+    assert target.judge(missed).endswith(": **not met** (below: fused_kernel 69% at image_32x280).")
+    assert target.judge([layer_row("stock", 90.0)]).endswith("no fused or fused_kernel rows.")
+    rows = [row | dict(B=8, N=2520, ms_p50=1.0, peak_bytes=None) for row in missed]
+    assert any(line.startswith("Target (GPU): ") for line in report.op_tables(rows, PROVIDERS, (), "cuda"))
+    assert not any(line.startswith("Target") for line in report.op_tables(rows, PROVIDERS, (), "cpu"))
