@@ -1,6 +1,8 @@
-"""The fused Gemma 4 vision encoder layer, on the packed sequence: two concatenated GEMMs and three kernels.
+"""The fused Gemma 4 vision encoder layer: two concatenated GEMMs and three kernels, on (T, D) rows.
 
-Per layer, with T the packed tokens and D the hidden size (stock's modules in brackets):
+The rows are the packed sequence (``fused_vision.packed``, attention within each item) or, through
+``padded_encoder_forward``, the encoder's padded (B, N) batch (attention to each item's valid keys).
+Per layer (stock's modules in brackets):
 
     qkv    = y @ W_qkv.T                          one GEMM       [q_proj, k_proj, v_proj]
     q,k,v  = qkv_norm_rope(qkv, ids)              one pass       [q/k/v norms, the axial 2-D RoPE]
@@ -23,8 +25,8 @@ then view, the same ``nn.Parameter`` objects. A weight later replaced or moved (
 the GEMM reads ``torch.cat`` of the parameters instead, so training and LoRA on other modules see
 stock's gradients; under torch.compile too, as compiled graphs cannot rely on storage checks.
 
-A layer that cannot run fused (``blocker``) runs its own stock code on the packed sequence, with the
-packed attention, and one warning naming why.
+A layer that cannot run fused (``blocker``) runs its own stock code on the same rows, with their
+attention, and one warning naming why.
 """
 
 from __future__ import annotations
