@@ -26,6 +26,7 @@ from gemma4_towers import (
     SEQ_LEN,
     SIZES,
     alone,
+    assert_gradients_match_stock,
     assert_items_match,
     fused_ops,
     make_inputs,
@@ -254,15 +255,7 @@ def test_gradients_through_the_fused_tower_match_stock(kind):
     stock_tower = tower_of(kind)
     tower = fused(copy.deepcopy(stock_tower))
     pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
-    grads = []
-    for model in (stock_tower, tower):
-        inputs = pixels.clone().requires_grad_()
-        out = model(pixel_values=inputs, pixel_position_ids=ids).last_hidden_state
-        out.square().mean().backward()
-        grads.append({"pixels": inputs.grad} | {name: p.grad for name, p in model.named_parameters()})
-    for name, expected in grads[0].items():
-        assert grads[1][name] is not None, name
-        assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
+    assert_gradients_match_stock(stock_tower, tower, pixels, ids)
 
 
 @pytest.fixture

@@ -25,6 +25,7 @@ from gemma4_towers import (
     SIZES,
     VERSION,
     alone,
+    assert_gradients_match_stock,
     assert_items_match,
     fused_ops,
     make_inputs,
@@ -133,16 +134,7 @@ def test_gradients_through_the_packed_tower_match_stock():
     tower = copy.deepcopy(stock_tower)
     apply_fused_vision_to_gemma4(tower, encoder="packed")
     pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
-    grads = []
-    for model in (stock_tower, tower):
-        inputs = pixels.clone().requires_grad_()
-        out = model(pixel_values=inputs, pixel_position_ids=ids).last_hidden_state
-        out.square().mean().backward()
-        grads.append({"pixels": inputs.grad} | {name: p.grad for name, p in model.named_parameters()})
-    for name, expected in grads[0].items():
-        assert grads[1][name] is not None, name
-        assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
-    assert grads[0]["pixels"].abs().sum() > 0
+    assert_gradients_match_stock(stock_tower, tower, pixels, ids)
 
 
 def test_packed_calls_fill_up_to_the_token_budget(monkeypatch, packed_calls):
