@@ -28,7 +28,14 @@ import torch.nn.functional as F
 
 from ._dispatch import warn_once
 
-__all__ = ["PACKED_ATTENTION", "SUPPORTED_ATTENTION", "attention_path", "configured_attention", "varlen_attention"]
+__all__ = [
+    "PACKED_ATTENTION",
+    "SUPPORTED_ATTENTION",
+    "attention_path",
+    "attention_supported",
+    "configured_attention",
+    "varlen_attention",
+]
 
 PACKED_ATTENTION = "fused_vision_packed"
 # What a tower may be configured with for the packed encoder: the kernels it replaces compute the same
@@ -42,6 +49,13 @@ def configured_attention(config) -> str | None:
     """The config's attention implementation, as the kernel it computes with (paged variants as their base)."""
     attention = getattr(config, "_attn_implementation", None)
     return attention.removeprefix("paged|") if isinstance(attention, str) else attention
+
+
+def attention_supported(config) -> bool:
+    """Whether the packed encoder (and the fused layers' attention) computes what the config's attention
+    implementation does."""
+    attention = configured_attention(config)
+    return attention is None or attention in SUPPORTED_ATTENTION
 
 
 @functools.cache

@@ -42,15 +42,15 @@ from torch import nn
 from . import patching
 from ._dispatch import warn_once
 from ._validation import FLOAT_DTYPES
-from .attention import SUPPORTED_ATTENTION, configured_attention, varlen_attention
+from .attention import attention_supported, varlen_attention
 from .ops.gelu_gate import gelu_gate
 from .ops.qkv_norm_rope import qkv_norm_rope
 from .ops.residual_rms_norm import residual_rms_norm
 
 __all__ = [
+    "attend_valid_keys",
+    "attend_within_items",
     "blocker",
-    "packed_attention",
-    "padded_attention",
     "padded_encoder_forward",
     "prepare",
     "release",
@@ -298,23 +298,25 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backe
     return residual_rms_norm(mlp_output, h, post_weight, next_weight, eps=eps, backend=backend)
 
 
-def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, backend: str, shape, stock_kwargs: dict):
+def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, backend: str, shape, stock_kwargs):
     """The encoder's layers on (T, D) ``hidden_states`` with (T, 2) ``position_ids``, ``attend(q, k, v, *,
     scale, dropout)`` their attention on (T, H, d) heads. Layers ``blocker`` turns away run stock code on
-    the rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with ``stock_kwargs`` (their attention's
-    arguments) and the rotary embedding's cos and sin."""
+    the rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with the keywords ``stock_kwargs()``
+    returns (their attention's arguments) and the rotary embedding's cos and sin."""
     layers = list(encoder.layers[: encoder.config.num_hidden_layers])
     reasons = [blocker(layer, hidden_states) for layer in layers]
     for reason in dict.fromkeys(r for r in reasons if r is not None):
         where = ", ".join(str(i) for i, r in enumerate(reasons) if r == reason)
         warn_once(f"fused encoder: layer(s) {where} run stock code: {reason}", 4)
     rotary, batched_ids = encoder.rotary_emb, position_ids.view(*shape, 2)
-    cos_sin = rotary(hidden_states.view(*shape, -1), batched_ids) if any(reasons) else None
+    fallback = any(reasons)
+    cos_sin = rotary(hidden_states.view(*shape, -1), batched_ids) if fallback else None
+    fallback_kwargs = stock_kwargs() if fallback else {}
     inv_freq = rotary.inv_freq.float()  # stock's rotary reads its buffer (cast with the model) as float32
     h, y = hidden_states, None
     for index, (layer, reason) in enumerate(zip(layers, reasons)):
         if reason is not None:
-            rows = layer(h.view(*shape, -1), position_embeddings=cos_sin, position_ids=batched_ids, **stock_kwargs)
+            rows = layer(h.view(*shape, -1), position_embeddings=cos_sin, position_ids=batched_ids, **fallback_kwargs)
             h, y = rows.flatten(0, 1), None
             continue
         if y is None:
@@ -325,18 +327,12 @@ def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, backend:
     return h
 
 
-def _supported(encoder: nn.Module) -> bool:
-    """Whether the encoder's configured attention computes what ``padded_attention`` does."""
-    attention = configured_attention(encoder.config)
-    return attention is None or attention in SUPPORTED_ATTENTION
-
-
-def packed_attention(cu_seqlens, lengths, longest):
+def attend_within_items(cu_seqlens, lengths, longest):
     """``attend`` for a packed sequence: within each item (``fused_vision.attention.varlen_attention``)."""
     return functools.partial(varlen_attention, cu_seqlens=cu_seqlens, lengths=lengths, max_seqlen=longest)
 
 
-def padded_attention(valid: torch.Tensor):
+def attend_valid_keys(valid: torch.Tensor):
     """``attend`` for (B, N) padded rows: each item's queries attend to its valid keys (``valid``: (B, N)
     True where real), as stock's sdpa with its bidirectional mask."""
     mask = valid[:, None, None, :]
@@ -363,14 +359,21 @@ def padded_encoder_forward(self, inputs_embeds, attention_mask, pixel_position_i
         and isinstance(pixel_position_ids, torch.Tensor)
         and pixel_position_ids.shape == (*inputs_embeds.shape[:2], 2)
     )
-    if state is None or not shaped or any(name not in _PASSIVE_KWARGS for name in kwargs) or not _supported(self):
+    if (
+        state is None
+        or not shaped
+        or any(name not in _PASSIVE_KWARGS for name in kwargs)
+        or not attention_supported(self.config)
+    ):
         return patching.stock_method(self, "forward")(inputs_embeds, attention_mask, pixel_position_ids, **kwargs)
-    stock_mask = _modeling(self).create_bidirectional_mask(
-        config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
-    )
-    rows = inputs_embeds.flatten(0, 1)
-    attend = padded_attention(attention_mask)
-    stock_kwargs = dict(attention_mask=stock_mask)
-    ids = pixel_position_ids.flatten(0, 1)
+
+    def stock_kwargs():  # stock's (B, 1, N, N) mask, built only where a layer runs stock code
+        mask = _modeling(self).create_bidirectional_mask(
+            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
+        )
+        return dict(attention_mask=mask)
+
+    rows, ids = inputs_embeds.flatten(0, 1), pixel_position_ids.flatten(0, 1)
+    attend = attend_valid_keys(attention_mask)
     h = run_layers(self, rows, ids, attend, state.backend, attention_mask.shape, stock_kwargs)
     return _modeling(self).BaseModelOutputWithPast(last_hidden_state=h.view_as(inputs_embeds))

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from . import fused_layer, patching
-from .attention import SUPPORTED_ATTENTION, configured_attention, packed_attention
+from .attention import SUPPORTED_ATTENTION, attention_supported, packed_attention
 
 __all__ = [
     "attention_supported",
@@ -40,12 +40,6 @@ __all__ = [
 
 # Keywords of Gemma4VisionModel.forward under which the packed forward still returns stock's outputs
 _PASSIVE_KWARGS = ("return_dict", "output_hidden_states", "output_attentions")
-
-
-def attention_supported(config) -> bool:
-    """Whether the packed encoder computes what the config's attention implementation does."""
-    attention = configured_attention(config)
-    return attention is None or attention in SUPPORTED_ATTENTION
 
 
 def check_attention(config, argument: str = "encoder") -> None:
@@ -112,9 +106,10 @@ def _run_encoder(tower, inputs_embeds, position_ids, lengths):
     state = patching.fused_state(tower)
     with packed_attention(configs):
         if state is not None and state.op == "fused_encoder":
-            attend = fused_layer.packed_attention(offsets, lengths, longest)
+            attend = fused_layer.attend_within_items(offsets, lengths, longest)
             rows, ids, shape = inputs_embeds[0], position_ids[0], (1, inputs_embeds.shape[1])
-            return fused_layer.run_layers(tower.encoder, rows, ids, attend, state.backend, shape, packed_kwargs)[None]
+            run = fused_layer.run_layers
+            return run(tower.encoder, rows, ids, attend, state.backend, shape, lambda: packed_kwargs)[None]
         output = tower.encoder(inputs_embeds=inputs_embeds, pixel_position_ids=position_ids, **packed_kwargs)
         return output.last_hidden_state
 
