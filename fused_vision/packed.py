@@ -34,6 +34,7 @@ __all__ = [
     "encoder_target",
     "pack_items",
     "packed_model_forward",
+    "padded_batch",
     "scatter_rows",
     "soft_tokens",
 ]
@@ -170,13 +171,19 @@ def _packs(tower, pixel_values, pixel_position_ids, kwargs) -> bool:
         return False
     if getattr(config, "return_dict", True) is False:
         return False
+    if not padded_batch(pixel_values, pixel_position_ids):
+        return False
+    return bool((pixel_position_ids != -1).any())  # nothing real: stock's own forward
+
+
+def padded_batch(pixel_values, pixel_position_ids) -> bool:
+    """Whether the inputs are a padded batch as a tower's forward takes it: (B, N, K) pixels and (B, N, 2)
+    integer ids."""
     if not isinstance(pixel_values, torch.Tensor) or not isinstance(pixel_position_ids, torch.Tensor):
         return False
     if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3 or pixel_position_ids.shape[-1] != 2:
         return False
-    if pixel_values.shape[:2] != pixel_position_ids.shape[:2] or pixel_position_ids.is_floating_point():
-        return False
-    return bool((pixel_position_ids != -1).any())  # nothing real: stock's own forward
+    return pixel_values.shape[:2] == pixel_position_ids.shape[:2] and not pixel_position_ids.is_floating_point()
 
 
 def encoder_target(tower_cls: type, model, state) -> patching.Target:

@@ -131,11 +131,7 @@ def _takes(vision, encoder, pixel_values, pixel_position_ids, args, kwargs) -> b
         return False
     if not all(isinstance(layer.self_attn, vision.Gemma4VisionAttention) for layer in encoder.encoder.layers):
         return False
-    if not isinstance(pixel_values, torch.Tensor) or not isinstance(pixel_position_ids, torch.Tensor):
-        return False
-    if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3 or pixel_position_ids.shape[-1] != 2:
-        return False
-    if pixel_values.shape[:2] != pixel_position_ids.shape[:2] or pixel_position_ids.is_floating_point():
+    if not packed.padded_batch(pixel_values, pixel_position_ids):
         return False
     k2 = encoder.pooling_kernel_size**2
     return pixel_values.shape[0] > 0 and pixel_values.shape[1] >= k2 and pixel_values.shape[1] % k2 == 0
