@@ -220,3 +220,15 @@ def assert_gradients_match_stock(stock_tower, tower, pixels, ids):
         assert grads[1][name] is not None, name
         assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
     assert grads[0]["pixels"].abs().sum() > 0
+
+
+def compiled_fullgraph_soft_tokens(tower, pixels, ids):
+    """``tower``'s soft tokens through ``torch.compile(fullgraph=True)``, stock's one break (the boolean-mask
+    strip of padding) captured as a dynamic-shape op, after a backward through the compiled graph."""
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+        compiled_tower = torch.compile(tower, fullgraph=True, backend="aot_eager")
+        compiled = compiled_tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
+        compiled.square().mean().backward()
+    torch._dynamo.reset()
+    return compiled.detach()

@@ -28,6 +28,7 @@ from gemma4_towers import (
     alone,
     assert_gradients_match_stock,
     assert_items_match,
+    compiled_fullgraph_soft_tokens,
     fused_ops,
     make_inputs,
     mixed_items,
@@ -294,14 +295,9 @@ def test_the_fused_tower_compiles_fullgraph_forward_and_backward(fused_layers, k
     with torch.no_grad():
         stock = run_tower(tower, pixels, ids)
     fused(tower)
-    torch._dynamo.reset()
-    with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
-        compiled_tower = torch.compile(tower, fullgraph=True, backend="aot_eager")
-        compiled = compiled_tower(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
-        compiled.square().mean().backward()
-    torch._dynamo.reset()
+    compiled = compiled_fullgraph_soft_tokens(tower, pixels, ids)
     assert fused_layers == [1, 1], "traced through the fused layers"
-    assert_close(compiled.detach(), stock, **FP32_CLOSE, what="fullgraph tower")
+    assert_close(compiled, stock, **FP32_CLOSE, what="fullgraph tower")
     assert tower.encoder.layers[0].self_attn.q_proj.linear.weight.grad is not None
 
 
