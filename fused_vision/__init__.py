@@ -3,6 +3,7 @@
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from . import _checkout  # noqa: F401  (from a source tree, makes fused_vision.kernels the checkout's kernels/)
 from .encoding import encode_images
 from .gemma4 import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from .ops.gelu_gate import gelu_gate

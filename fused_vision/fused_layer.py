@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import patching
+from . import _releases, patching
 from ._dispatch import warn_once
 from ._validation import FLOAT_DTYPES
 from .attention import attention_supported, varlen_attention
@@ -262,7 +262,7 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
 
 def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backend):
     """One fused layer on (T, D) hidden states ``h`` and their input norm ``y``: the new (h, next norm of h)."""
-    attn, mlp, eps = layer.self_attn, layer.mlp, layer.input_layernorm.eps
+    attn, mlp, eps = layer.self_attn, layer.mlp, _releases.norm_epsilon(layer.input_layernorm)
     heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
     qkv_clamps = _clamp_table([attn.q_proj, attn.k_proj, attn.v_proj], ["output"] * 3)
     q, k, v = qkv_norm_rope(

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from . import fused_layer, packed, patching
+from . import _releases, fused_layer, packed, patching
 from ._dispatch import BACKENDS
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES
 from .ops.patch_embed import patch_embed as _fused_patch_embed
@@ -60,26 +59,8 @@ class FusedOp:
 # ---- transformers, located lazily ----------------------------------------------------------------
 
 
-def _modeling():
-    """``transformers.models.gemma4.modeling_gemma4``, with a clear error when it is missing."""
-    try:
-        import transformers
-    except ImportError as exc:
-        raise ImportError(
-            "fused_vision.gemma4 needs transformers>=5.5 with Gemma 4: pip install 'fused-vision[gemma4]'"
-        ) from exc
-    try:
-        modeling_gemma4 = importlib.import_module("transformers.models.gemma4.modeling_gemma4")
-    except ImportError as exc:
-        raise ImportError(
-            f"transformers {getattr(transformers, '__version__', '?')} has no Gemma 4 "
-            "(transformers.models.gemma4.modeling_gemma4); Gemma 4 arrived in transformers 5.5"
-        ) from exc
-    return modeling_gemma4
-
-
 def _stock(kind: str, name: str):
-    modeling = _modeling()
+    modeling = _releases.modeling()
     cls = modeling.Gemma4VisionPatchEmbedder if kind == "embedder" else modeling.Gemma4VisionPooler
     return patching.stock_attribute(cls, name)
 
@@ -90,7 +71,7 @@ def pooler_returns_float32() -> bool:
 
     Told by running the stock forward once on a 1-element bfloat16 input, on the CPU.
     """
-    modeling = _modeling()
+    modeling = _releases.modeling()
     pooler = modeling.Gemma4VisionPooler(modeling.Gemma4VisionConfig(hidden_size=4))
     hidden = torch.ones(1, 1, 4, dtype=torch.bfloat16)
     ids = torch.zeros(1, 1, 2, dtype=torch.long)
@@ -109,7 +90,7 @@ def lookup_is_onehot(embedder_cls: type) -> bool:
 @functools.cache
 def onehot_lookup() -> bool:
     """Whether transformers' stock lookup is the one-hot matmul of 5.5-5.9."""
-    return lookup_is_onehot(_modeling().Gemma4VisionPatchEmbedder)
+    return lookup_is_onehot(_releases.modeling().Gemma4VisionPatchEmbedder)
 
 
 # ---- the patched methods, shared with SGLang's tower (its embedder is 5.5-5.9's) ---------------------
@@ -353,7 +334,7 @@ def apply_fused_vision_to_gemma4(
         ImportError: transformers or its Gemma 4 is missing.
     """
     caller = "apply_fused_vision_to_gemma4"
-    modeling = _modeling()
+    modeling = _releases.modeling()
     poolers = [(modeling.Gemma4VisionPooler, _pooler_forward)]
     release = dict(onehot_lookup=onehot_lookup(), pooler_float32=pooler_returns_float32())
     if encoder not in ENCODERS:

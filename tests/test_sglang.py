@@ -17,6 +17,7 @@ from torch import nn
 
 import fused_vision.gemma4 as fg
 import fused_vision.sglang as fs
+from fused_vision import _releases
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
@@ -56,7 +57,7 @@ def test_the_modules_under_test_are_sglangs_installed_package():
         assert Path(inspect.getsourcefile(cls)).resolve() == package / "srt" / file, cls
     assert fg.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
     assert "one_hot" in EmbeddingPooler._avg_pool_by_positions.__code__.co_names
-    assert vision.Gemma4VisionPatchEmbedder is not fg._modeling().Gemma4VisionPatchEmbedder
+    assert vision.Gemma4VisionPatchEmbedder is not _releases.modeling().Gemma4VisionPatchEmbedder
 
 
 # ---- parity with SGLang's stock modules -----------------------------------------------------------------
