@@ -17,3 +17,4 @@ if importlib.util.find_spec(_NAME) is None:
     _spec = importlib.machinery.ModuleSpec(_NAME, None, is_package=True)
     _spec.submodule_search_locations = [str(Path(__file__).resolve().parent.parent / "kernels")]
     sys.modules[_NAME] = importlib.util.module_from_spec(_spec)
+    sys.modules[__package__].kernels = sys.modules[_NAME]  # as an import would bind it
