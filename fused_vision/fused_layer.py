@@ -26,11 +26,13 @@ the GEMM reads ``torch.cat`` of the parameters instead, so training and LoRA on 
 stock's gradients; under torch.compile too, as compiled graphs cannot rely on storage checks.
 
 A layer that cannot run fused (``blocker``) runs its own stock code on the same rows, with their
-attention, and one warning naming why.
+attention, and one warning naming why. A layer transformers checkpoints runs fused through its own
+checkpoint function, so that backward recomputes it fused.
 """
 
 from __future__ import annotations
 
+import functools
 import sys
 import weakref
 
@@ -85,7 +87,7 @@ def _classes(layer: nn.Module) -> dict[str, type]:
 def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
     """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, plain
     bias-free ``nn.Linear`` weights of the hidden states' dtype and device, no hooks, the tanh GELU, and
-    neither autocast nor gradient checkpointing in training."""
+    no autocast."""
     modeling = _modeling(layer)
     if type(layer) is not getattr(modeling, "Gemma4VisionEncoderLayer", None):
         return f"it is a {type(layer).__name__}, not transformers' Gemma4VisionEncoderLayer"
@@ -121,8 +123,6 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
         return f"head_dim {layer.self_attn.head_dim} is not a multiple of 4"
     if layer.mlp.config.hidden_activation != _ACTIVATION:
         return f"hidden_activation {layer.mlp.config.hidden_activation!r}, not {_ACTIVATION!r}"
-    if layer.training and torch.is_grad_enabled() and getattr(layer, "gradient_checkpointing", False):
-        return "gradient checkpointing"
     return None
 
 
@@ -296,12 +296,19 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backe
     return residual_rms_norm(mlp_output, h, post_weight, next_weight, eps=eps, backend=backend)
 
 
+def _checkpointing(layer: nn.Module) -> bool:
+    """Whether transformers checkpoints this layer's calls: its gradient checkpointing on, training, with
+    autograd recording."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training and torch.is_grad_enabled()
+
+
 def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, shape, stock_kwargs, backend=None):
     """The encoder's layers on (T, D) ``hidden_states`` with (T, 2) ``position_ids``; ``attend(q, k, v, *,
     scale, dropout)`` is their attention on (T, H, d) heads. With ``backend``, each layer that ``blocker``
-    lets through runs fused. The others, and every layer without ``backend``, run their stock code on the
-    rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with the rotary embedding's cos and sin and
-    the keywords ``stock_kwargs()`` returns (their attention's mask)."""
+    lets through runs fused (under gradient checkpointing, through the layer's own checkpoint function,
+    so that backward recomputes it fused). The others, and every layer without ``backend``, run their
+    stock code on the rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with the rotary
+    embedding's cos and sin and the keywords ``stock_kwargs()`` returns (their attention's mask)."""
     layers = list(encoder.layers[: encoder.config.num_hidden_layers])
     if backend is None:  # the packed encoder's layers: stock code, each one
         reasons = ["not fused"] * len(layers)
@@ -325,7 +332,16 @@ def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, shape, s
             y = layer.input_layernorm(h)
         following = index + 1 < len(layers) and reasons[index + 1] is None
         next_weight = layers[index + 1].input_layernorm.weight if following else None
-        h, y = _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backend)
+        fused_call = functools.partial(
+            _fused_layer,
+            layer,
+            position_ids=position_ids,
+            inv_freq=inv_freq,
+            attend=attend,
+            next_weight=next_weight,
+            backend=backend,
+        )
+        h, y = layer._gradient_checkpointing_func(fused_call, h, y) if _checkpointing(layer) else fused_call(h, y)
     return h
 
 
