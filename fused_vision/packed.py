@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 from collections.abc import Sequence
 
@@ -29,7 +28,6 @@ from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
 __all__ = [
     "attention_supported",
-    "boundaries",
     "check_attention",
     "encode",
     "encoder_target",
@@ -79,11 +77,6 @@ def pack_items(pixel_values: Sequence[torch.Tensor], position_ids: Sequence[torc
     pixels = torch.cat([p[mask] for p, mask in zip(pixel_values, real)])[None]
     ids = torch.cat([i[mask] for i, mask in zip(position_ids, real)])[None]
     return real, lengths, pixels, ids
-
-
-def boundaries(lengths: Sequence[int], device) -> torch.Tensor:
-    """The items' int32 offsets into the packed sequence, flash-attn's ``cu_seqlens``: (B + 1,)."""
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
 
 def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
