@@ -25,6 +25,7 @@ from gemma4_towers import (
     KINDS,
     SEQ_LEN,
     SIZES,
+    adapted,
     alone,
     assert_gradients_match_stock,
     assert_items_match,
@@ -181,25 +182,8 @@ def test_grouped_kv_heads_match_stock():
         assert_items_match(packed.encode(fused(tower), pixels, ids, True), stock, stock, torch.float32)
 
 
-class LoRALinear(nn.Module):
-    """A low-rank adapter around a frozen linear, as adapter libraries wrap one."""
-
-    def __init__(self, base: nn.Linear, rank: int = 2):
-        super().__init__()
-        self.base, self.weight = base, base.weight
-        self.down = nn.Parameter(torch.randn(rank, base.in_features, device=base.weight.device) * 0.1)
-        self.up = nn.Parameter(torch.randn(base.out_features, rank, device=base.weight.device) * 0.1)
-
-    def forward(self, x):
-        return self.base(x) + x @ self.down.T @ self.up.T
-
-
 def test_a_lora_adapted_layer_runs_stock_code_and_trains():
-    stock_tower = tower_of("31b_like")
-    for param in stock_tower.parameters():
-        param.requires_grad_(False)
-    attn = stock_tower.encoder.layers[1].self_attn
-    attn.q_proj.linear = LoRALinear(attn.q_proj.linear)
+    stock_tower = adapted(tower_of("31b_like"))
     tower = copy.deepcopy(stock_tower)
     fused(tower)
     pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
