@@ -1,10 +1,16 @@
 """Attention restricted to each item of a packed sequence, hooked into transformers' Gemma 4 vision layers.
 
-The packed encoder (``fused_vision.packed``) runs the tower's own encoder and layers on one (1, T, D)
-sequence of every item's real patches. Only the attention computation changes: transformers' layers look
-it up in ``ALL_ATTENTION_FUNCTIONS`` under ``config._attn_implementation``, so for the duration of a packed
-forward the tower's config names ``PACKED_ATTENTION``, registered there, and the layers pass the items'
-boundaries (``cu_seq_lens_q``, int32, flash-attn's varlen layout) through their keyword arguments.
+The packed encoder (``fused_vision.packed``) runs the tower's own layers on one (1, T, D) sequence of every
+item's real patches, and hands each layer a ``Packing`` as its ``attention_mask``: the items' boundaries
+(``cu_seqlens``, int32, flash-attn's varlen layout), their lengths and the longest. The packing travels
+with the call, so a replay of the layer (gradient checkpointing's recompute, a hook that runs it again,
+another thread) computes what the first run did; nothing shared is switched while it runs.
+
+``install`` patches ``Gemma4VisionAttention.forward`` once: handed a ``Packing``, it runs stock's own
+forward on a view of the module made for that call (``patching.call_view``), whose config names
+``PACKED_ATTENTION``, registered in transformers' ``ALL_ATTENTION_FUNCTIONS``; every other call is
+stock's. A ``Packing`` that reached stock's attention functions would raise there (it is no tensor),
+never attend across items.
 
 Paths, the first one that takes the inputs (``attention_path``):
 
@@ -17,23 +23,27 @@ Each takes the layer's own scale (Gemma 4: 1.0, its q/k norms replace the 1/sqrt
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
 import importlib
+import itertools
 import sys
-import threading
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
+from . import _releases, patching
 from ._dispatch import warn_once
 
 __all__ = [
     "PACKED_ATTENTION",
     "SUPPORTED_ATTENTION",
+    "Packing",
     "attention_path",
     "attention_supported",
     "configured_attention",
+    "install",
     "varlen_attention",
 ]
 
@@ -130,55 +140,69 @@ def varlen_attention(query, key, value, cu_seqlens, lengths, max_seqlen, *, scal
     return torch.cat(outputs, dim=1).transpose(0, 1)
 
 
-def _packed_attention_forward(
-    module, query, key, value, attention_mask, dropout=0.0, scaling=None, cu_seq_lens_q=None, **kwargs
-):
-    """transformers' attention-interface signature: (1, H, T, d) states in, ((1, T, H, d) output, None) out."""
-    if cu_seq_lens_q is None:  # a stock forward on a config a packed forward switched: its mask is gone too
-        raise RuntimeError(
-            "fused_vision: a stock Gemma 4 vision forward ran on a config that a packed forward in another "
-            "thread had switched to the packed attention; run them on towers with configs of their own"
+@dataclasses.dataclass(frozen=True, eq=False)
+class Packing:
+    """The items of a packed sequence, as each attention call over it needs them: ``cu_seqlens`` (int32,
+    (B + 1,)), each item's length (they sum to T) and the longest. Never changed once made; it lives as
+    long as the calls, and the checkpointed replays, that hold it."""
+
+    cu_seqlens: torch.Tensor
+    lengths: tuple[int, ...]
+    longest: int
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], device) -> Packing:
+        """The packing of items of ``lengths`` real patches, in that order, its offsets on ``device``."""
+        lengths = tuple(int(length) for length in lengths)
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+        return cls(offsets, lengths, max(lengths))
+
+    def attend(self, query, key, value, *, scale, dropout=0.0):
+        """``varlen_attention`` within these items, on (T, H, d) heads."""
+        return varlen_attention(
+            query, key, value, self.cu_seqlens, self.lengths, self.longest, scale=scale, dropout=dropout
         )
+
+
+def _packed_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """transformers' attention-interface signature, ``attention_mask`` the ``Packing``: (1, H, T, d) states
+    in, ((1, T, H, d) output, None) out."""
     modeling = sys.modules[type(module).__module__]
     key = modeling.repeat_kv(key, module.num_key_value_groups)
     value = modeling.repeat_kv(value, module.num_key_value_groups)
     if scaling is None:
         scaling = module.head_dim**-0.5
-    lengths, max_seqlen = kwargs["fused_vision_lengths"], kwargs["max_length_q"]
     states = (t[0].transpose(0, 1) for t in (query, key, value))  # (T, H, d)
-    output = varlen_attention(*states, cu_seq_lens_q, lengths, max_seqlen, scale=scaling, dropout=dropout)
-    return output[None], None
+    return attention_mask.attend(*states, scale=scaling, dropout=dropout)[None], None
 
 
-_LOCK = threading.Lock()
-_SWITCHED: dict[int, list] = {}  # id(config) -> [the implementation it had, packed forwards running on it]
+class _PackedConfig:
+    """A layer's config as one packed call reads it: its own, but naming the packed attention."""
+
+    _attn_implementation = PACKED_ATTENTION
+
+    def __init__(self, config):
+        self._config = config
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
 
 
-@functools.cache
-def _register() -> None:
+def _attention_forward(self, *args, **kwargs):
+    """``Gemma4VisionAttention.forward``: stock's, on a view of the module whose config names the packed
+    attention where the call's mask is a ``Packing``."""
+    if any(isinstance(value, Packing) for value in (*args, *kwargs.values())):
+        self = patching.call_view(self, config=_PackedConfig(self.config))
+    return patching.stock_method(self, "forward")(*args, **kwargs)
+
+
+def install() -> None:
+    """Register the packed attention and patch ``Gemma4VisionAttention.forward`` (stock's for every call
+    without a ``Packing``): once, and again after ``revert_fused_vision_gemma4()`` restored the class."""
+    attention_cls = _releases.modeling().Gemma4VisionAttention
+    if attention_cls.__dict__.get("forward") is _attention_forward:
+        return
     from transformers.modeling_utils import AttentionInterface
 
     AttentionInterface.register(PACKED_ATTENTION, _packed_attention_forward)
-
-
-@contextlib.contextmanager
-def packed_attention(configs):
-    """Every config of ``configs`` names ``PACKED_ATTENTION`` inside the block, and its own implementation
-    again once the last packed forward on it returns (threads, e.g. ``nn.DataParallel`` replicas, share it)."""
-    _register()
-    configs = list({id(config): config for config in configs}.values())
-    with _LOCK:
-        for config in configs:
-            entry = _SWITCHED.setdefault(id(config), [config._attn_implementation, 0])
-            entry[1] += 1
-            config._attn_implementation = PACKED_ATTENTION
-    try:
-        yield
-    finally:
-        with _LOCK:
-            for config in configs:
-                entry = _SWITCHED[id(config)]
-                entry[1] -= 1
-                if entry[1] == 0:
-                    config._attn_implementation = entry[0]
-                    del _SWITCHED[id(config)]
+    patching.install_methods(attention_cls, {"forward": _attention_forward})

@@ -26,7 +26,8 @@ the GEMM reads ``torch.cat`` of the parameters instead, so training and LoRA on 
 stock's gradients; under torch.compile too, as compiled graphs cannot rely on storage checks.
 
 A layer that cannot run fused (``blocker``) runs its own stock code on the same rows, with their
-attention, and one warning naming why.
+attention, and one warning naming why. A layer transformers checkpoints runs fused through its own
+checkpoint function, so that backward recomputes it fused.
 """
 
 from __future__ import annotations
@@ -42,14 +43,13 @@ from torch import nn
 from . import _releases, patching
 from ._dispatch import warn_once
 from ._validation import FLOAT_DTYPES
-from .attention import attention_supported, varlen_attention
+from .attention import attention_supported
 from .ops.gelu_gate import gelu_gate
 from .ops.qkv_norm_rope import qkv_norm_rope
 from .ops.residual_rms_norm import residual_rms_norm
 
 __all__ = [
     "attend_valid_keys",
-    "attend_within_items",
     "blocker",
     "padded_encoder_forward",
     "prepare",
@@ -87,7 +87,7 @@ def _classes(layer: nn.Module) -> dict[str, type]:
 def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
     """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, plain
     bias-free ``nn.Linear`` weights of the hidden states' dtype and device, no hooks, the tanh GELU, and
-    neither autocast nor gradient checkpointing in training."""
+    no autocast."""
     modeling = _modeling(layer)
     if type(layer) is not getattr(modeling, "Gemma4VisionEncoderLayer", None):
         return f"it is a {type(layer).__name__}, not transformers' Gemma4VisionEncoderLayer"
@@ -123,8 +123,6 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
         return f"head_dim {layer.self_attn.head_dim} is not a multiple of 4"
     if layer.mlp.config.hidden_activation != _ACTIVATION:
         return f"hidden_activation {layer.mlp.config.hidden_activation!r}, not {_ACTIVATION!r}"
-    if layer.training and torch.is_grad_enabled() and getattr(layer, "gradient_checkpointing", False):
-        return "gradient checkpointing"
     return None
 
 
@@ -298,18 +296,29 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backe
     return residual_rms_norm(mlp_output, h, post_weight, next_weight, eps=eps, backend=backend)
 
 
-def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, backend: str, shape, stock_kwargs):
-    """The encoder's layers on (T, D) ``hidden_states`` with (T, 2) ``position_ids``, ``attend(q, k, v, *,
-    scale, dropout)`` their attention on (T, H, d) heads. Layers ``blocker`` turns away run stock code on
-    the rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with the keywords ``stock_kwargs()``
-    returns (their attention's arguments) and the rotary embedding's cos and sin."""
+def _checkpointing(layer: nn.Module) -> bool:
+    """Whether transformers checkpoints this layer's calls: its gradient checkpointing on, training, with
+    autograd recording."""
+    return bool(getattr(layer, "gradient_checkpointing", False)) and layer.training and torch.is_grad_enabled()
+
+
+def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, shape, stock_kwargs, backend=None):
+    """The encoder's layers on (T, D) ``hidden_states`` with (T, 2) ``position_ids``; ``attend(q, k, v, *,
+    scale, dropout)`` is their attention on (T, H, d) heads. With ``backend``, each layer that ``blocker``
+    lets through runs fused (under gradient checkpointing, through the layer's own checkpoint function,
+    so that backward recomputes it fused). The others, and every layer without ``backend``, run their
+    stock code on the rows viewed as ``shape`` ((1, T) packed, (B, N) padded), with the rotary
+    embedding's cos and sin and the keywords ``stock_kwargs()`` returns (their attention's mask)."""
     layers = list(encoder.layers[: encoder.config.num_hidden_layers])
-    reasons = [blocker(layer, hidden_states) for layer in layers]
-    for reason in dict.fromkeys(r for r in reasons if r is not None):
-        where = ", ".join(str(i) for i, r in enumerate(reasons) if r == reason)
-        warn_once(f"fused encoder: layer(s) {where} run stock code: {reason}", 4)
+    if backend is None:  # the packed encoder's layers: stock code, each one
+        reasons = ["not fused"] * len(layers)
+    else:
+        reasons = [blocker(layer, hidden_states) for layer in layers]
+        for reason in dict.fromkeys(r for r in reasons if r is not None):
+            where = ", ".join(str(i) for i, r in enumerate(reasons) if r == reason)
+            warn_once(f"fused encoder: layer(s) {where} run stock code: {reason}", 4)
     rotary, batched_ids = encoder.rotary_emb, position_ids.view(*shape, 2)
-    fallback = any(reasons)
+    fallback = any(reason is not None for reason in reasons)
     cos_sin = rotary(hidden_states.view(*shape, -1), batched_ids) if fallback else None
     fallback_kwargs = stock_kwargs() if fallback else {}
     inv_freq = rotary.inv_freq.float()  # stock's rotary reads its buffer (cast with the model) as float32
@@ -323,13 +332,17 @@ def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, backend:
             y = layer.input_layernorm(h)
         following = index + 1 < len(layers) and reasons[index + 1] is None
         next_weight = layers[index + 1].input_layernorm.weight if following else None
-        h, y = _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backend)
+        fused_call = functools.partial(
+            _fused_layer,
+            layer,
+            position_ids=position_ids,
+            inv_freq=inv_freq,
+            attend=attend,
+            next_weight=next_weight,
+            backend=backend,
+        )
+        h, y = layer._gradient_checkpointing_func(fused_call, h, y) if _checkpointing(layer) else fused_call(h, y)
     return h
-
-
-def attend_within_items(cu_seqlens, lengths, longest):
-    """``attend`` for a packed sequence: within each item (``fused_vision.attention.varlen_attention``)."""
-    return functools.partial(varlen_attention, cu_seqlens=cu_seqlens, lengths=lengths, max_seqlen=longest)
 
 
 def attend_valid_keys(valid: torch.Tensor):
@@ -375,5 +388,5 @@ def padded_encoder_forward(self, inputs_embeds, attention_mask, pixel_position_i
 
     rows, ids = inputs_embeds.flatten(0, 1), pixel_position_ids.flatten(0, 1)
     attend = attend_valid_keys(attention_mask)
-    h = run_layers(self, rows, ids, attend, state.backend, attention_mask.shape, stock_kwargs)
+    h = run_layers(self, rows, ids, attend, attention_mask.shape, stock_kwargs, state.backend)
     return _modeling(self).BaseModelOutputWithPast(last_hidden_state=h.view_as(inputs_embeds))

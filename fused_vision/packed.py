@@ -3,10 +3,11 @@
 Stock pads every item to N = soft_tokens x 9 patches and runs every encoder layer on the padding, behind a
 (B, 1, N, N) mask. The packed encoder drops each item's padding rows (ids (-1, -1)) before the patch
 embedder, concatenates all items' real patches into one (1, T, D) sequence with per-item boundaries
-(``cu_seqlens``), and runs the tower's own embedder, encoder and layers on it; only the attention
-computation is replaced, by attention within each item (``fused_vision.attention``). The pooler then runs
-on each item's patches, scattered back to its padded rows (zeros there, as stock's pooler makes them), so
-each item's soft tokens are stock's on that item alone up to the attention kernel's summation order.
+(``cu_seqlens``), and runs the tower's own embedder, rotary embedding and layers on it, each layer handed
+the items' ``Packing`` as its attention mask; only the attention computation is replaced, by attention
+within each item (``fused_vision.attention``). The pooler then runs on each item's patches, scattered back
+to its padded rows (zeros there, as stock's pooler makes them), so each item's soft tokens are stock's on
+that item alone up to the attention kernel's summation order.
 
 Used by ``fused_vision.encode_images(..., packed=True)`` and by ``Gemma4VisionModel.forward`` once patched
 with ``apply_fused_vision_to_gemma4(model, encoder="packed")``. Differentiable where the attention path is.
@@ -16,19 +17,17 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import sys
 from collections.abc import Sequence
 
 import torch
 from torch import nn
 
-from . import fused_layer, patching
-from .attention import SUPPORTED_ATTENTION, attention_supported, packed_attention
+from . import attention, fused_layer, patching
+from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
 __all__ = [
     "attention_supported",
-    "boundaries",
     "check_attention",
     "encode",
     "encoder_target",
@@ -80,39 +79,23 @@ def pack_items(pixel_values: Sequence[torch.Tensor], position_ids: Sequence[torc
     return real, lengths, pixels, ids
 
 
-def boundaries(lengths: Sequence[int], device) -> torch.Tensor:
-    """The items' int32 offsets into the packed sequence, flash-attn's ``cu_seqlens``: (B + 1,)."""
-    return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-
-
 def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """(sum of mask, D) rows put back at the True slots of a (B, N) mask, zeros elsewhere: (B, N, D)."""
     return rows.new_zeros(*mask.shape, rows.shape[-1]).masked_scatter(mask[..., None], rows)
 
 
 def _run_encoder(tower, inputs_embeds, position_ids, lengths):
-    """The tower's own encoder on the (1, T, D) packed sequence, its attention within each item; its layers
+    """The tower's own encoder layers on the (1, T, D) packed sequence, each handed the items' ``Packing``
+    as its attention mask (so their attention stays within each item, in every replay of the call);
     fused (``fused_vision.fused_layer``) where the tower is patched with ``encoder="fused"``."""
-    offsets = boundaries(lengths, inputs_embeds.device)
-    longest = max(lengths)
-    configs = [tower.encoder.config] + [layer.self_attn.config for layer in tower.encoder.layers]
-    packed_kwargs = dict(
-        attention_mask=None,  # the packed attention needs none; no (T, T) mask is built
-        cu_seq_lens_q=offsets,
-        cu_seq_lens_k=offsets,
-        max_length_q=longest,
-        max_length_k=longest,
-        fused_vision_lengths=lengths,
-    )
+    attention.install()
+    packing = Packing.of(lengths, inputs_embeds.device)
     state = patching.fused_state(tower)
-    with packed_attention(configs):
-        if state is not None and state.op == "fused_encoder":
-            attend = fused_layer.attend_within_items(offsets, lengths, longest)
-            rows, ids, shape = inputs_embeds[0], position_ids[0], (1, inputs_embeds.shape[1])
-            run = fused_layer.run_layers
-            return run(tower.encoder, rows, ids, attend, state.backend, shape, lambda: packed_kwargs)[None]
-        output = tower.encoder(inputs_embeds=inputs_embeds, pixel_position_ids=position_ids, **packed_kwargs)
-        return output.last_hidden_state
+    backend = state.backend if state is not None and state.op == "fused_encoder" else None
+    rows, ids, shape = inputs_embeds[0], position_ids[0], (1, inputs_embeds.shape[1])
+    return fused_layer.run_layers(
+        tower.encoder, rows, ids, packing.attend, shape, lambda: dict(attention_mask=packing), backend
+    )
 
 
 def encode(
@@ -126,7 +109,7 @@ def encode(
     real, lengths, pixels, ids = pack_items(pixel_values, position_ids)
     no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
     inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
-    segments = torch.split(_run_encoder(tower, inputs_embeds, ids, lengths)[0], lengths)
+    segments = torch.split(_run_encoder(tower, inputs_embeds, ids, lengths), lengths)
 
     groups: dict[int, list[int]] = {}  # items of one N share a pooler call, as in stock's batch
     for index, item_ids in enumerate(position_ids):

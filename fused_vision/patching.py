@@ -21,7 +21,18 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["MISSING", "InstanceMethod", "Target", "fused_state", "patch", "revert", "stock_attribute", "stock_method"]
+__all__ = [
+    "MISSING",
+    "InstanceMethod",
+    "Target",
+    "call_view",
+    "fused_state",
+    "install_methods",
+    "patch",
+    "revert",
+    "stock_attribute",
+    "stock_method",
+]
 
 logger = logging.getLogger("fused_vision")
 
@@ -94,6 +105,15 @@ def stock_method(module: nn.Module, name: str):
     return inspect.getattr_static(type(module), name).__get__(module, type(module))
 
 
+def call_view(module: nn.Module, **attributes) -> nn.Module:
+    """A view of ``module`` for one call: an instance of its class sharing its submodules, parameters,
+    buffers and hooks, that reads ``attributes`` in place of its own. The module itself, and every other
+    call of it, sees nothing change."""
+    view = object.__new__(type(module))
+    view.__dict__.update(module.__dict__, **attributes)
+    return view
+
+
 def _extra_repr(self) -> str:
     cls = next(base for base in type(self).__mro__ if base in _CLASS_ORIGINALS)  # the class we patched
     stock = stock_attribute(cls, "extra_repr")
@@ -112,9 +132,10 @@ def _set_class_attributes(cls: type, values: dict[str, object]) -> None:
         setattr(cls, name, value)
 
 
-def _install_methods(cls: type, methods: dict[str, Callable]) -> None:
+def install_methods(cls: type, methods: dict[str, Callable]) -> None:
     """The class's repr and ``methods`` become ours, each one the class defines; they run stock code for
-    every instance whose state is None, so other instances see no change."""
+    every instance whose state is None, so other instances see no change. A revert of the class's
+    library restores them."""
     values: dict[str, object] = {"extra_repr": _extra_repr}
     for name, method in methods.items():
         stock = stock_attribute(cls, name)
@@ -149,7 +170,7 @@ def _patch_instance(module: nn.Module, target: Target) -> None:
     """The module's own state, read by its class's methods (installed here if the class is stock). Only
     where accelerate's hook already holds the stock forward in ``_old_forward`` does the module get a
     bound forward of ours there."""
-    _install_methods(target.cls, target.methods)
+    install_methods(target.cls, target.methods)
     attrs = module.__dict__
     if _SAVED not in attrs:
         names = (_STATE, "_old_forward") if _forward_slot(module) == "_old_forward" else (_STATE,)
@@ -194,7 +215,7 @@ def patch(caller: str, model: nn.Module | None, targets: Sequence[Target], hint:
     """
     if model is None:
         for target in targets:
-            _install_methods(target.cls, target.methods)
+            install_methods(target.cls, target.methods)
             _set_class_attributes(target.cls, {_STATE: target.state})
         logger.info("fused_vision: patched %s", ", ".join(f"{t.cls.__name__} -> {t.state}" for t in targets))
         return len(targets)

@@ -12,7 +12,9 @@ ids) without a mask, either
 
 - on one (1, T, D) sequence, each layer's backend handed the items' int32 ``cu_seqlens`` (and their
   longest length) in place of stock's None: the backends that attend within each cu_seqlens segment
-  (``VARLEN_BACKENDS``); or
+  (``VARLEN_BACKENDS``). The encoder hands its layers the items' ``Packing`` (``fused_vision.attention``)
+  as their attention mask; SGLang's ``Gemma4VisionAttention.forward``, patched, runs stock's forward
+  without a mask on a view of the module made for that call, whose backend is handed the boundaries; or
 - on each item alone, (1, T_i, D): every other backend. SGLang's sdpa backend, which Gemma 4 builds with
   ``flatten_batch=False``, turns cu_seqlens into a per-batch-row padding mask, not a per-item one.
 
@@ -23,20 +25,20 @@ that, where the pooler does not mask the padding first (``mask_pad_before_pool=F
 ``gemma4_mm``), the padding adds nothing to slot 0, as in transformers' pooler (stock adds its padding
 rows' hidden states there). Inputs the packed forward does not take run stock.
 
-Backends are handed the boundaries by shadowing each layer's ``qkv_backend`` for the duration of one
-forward: concurrent packed forwards of one module in several threads are not supported, and neither is
-SGLang's ViT CUDA graph (``SGLANG_VIT_ENABLE_CUDA_GRAPH``, under which stock runs).
+The boundaries travel with the call, so concurrent packed forwards of one module in several threads each
+attend within their own items. SGLang's ViT CUDA graph (``SGLANG_VIT_ENABLE_CUDA_GRAPH``) is not
+supported: stock runs under it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 from torch import nn
 
 from . import packed, patching
+from .attention import Packing
 
 __all__ = ["VARLEN_BACKENDS", "encoder_target", "packed_encoder_forward"]
 
@@ -46,16 +48,28 @@ VARLEN_BACKENDS = ("triton_attn", "fa3", "fa4", "aiter_attn")
 
 
 class _Varlen:
-    """A layer's attention backend, called with the packed sequence's boundaries: SGLang's attention
+    """A layer's attention backend for one packed call, handed the packing's boundaries: SGLang's attention
     passes every argument by keyword, ``cu_seqlens=None`` among them."""
 
-    def __init__(self, backend: nn.Module, cu_seqlens: torch.Tensor, max_seqlen: int):
-        self.backend, self.cu_seqlens, self.max_seqlen = backend, cu_seqlens, max_seqlen
+    def __init__(self, backend: nn.Module, packing: Packing):
+        self.backend, self.packing = backend, packing
 
     def forward(self, **kwargs):
-        return self.backend.forward(**{**kwargs, "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen})
+        boundaries = {"cu_seqlens": self.packing.cu_seqlens, "max_seqlen": self.packing.longest}
+        return self.backend.forward(**{**kwargs, **boundaries})
 
     __call__ = forward
+
+
+def _attention_forward(self, *args, **kwargs):
+    """SGLang's ``Gemma4VisionAttention.forward``: stock's; where its mask is a ``Packing``, stock's without
+    a mask on a view of the module whose backend attends within the packing's items."""
+    packing = next((value for value in (*args, *kwargs.values()) if isinstance(value, Packing)), None)
+    if packing is not None:
+        args = tuple(None if value is packing else value for value in args)
+        kwargs = {name: None if value is packing else value for name, value in kwargs.items()}
+        self = patching.call_view(self, qkv_backend=_Varlen(self.qkv_backend, packing))
+    return patching.stock_method(self, "forward")(*args, **kwargs)
 
 
 def _keyword_names(code) -> set[str]:
@@ -68,9 +82,9 @@ def _keyword_names(code) -> set[str]:
 
 @functools.cache
 def _attention_takes_boundaries(attention_cls: type) -> bool:
-    """Whether ``attention_cls.forward`` calls its ``qkv_backend.forward`` with keywords only, cu_seqlens
-    and attention_mask among them: where it does not, the backend cannot be handed the boundaries."""
-    code = getattr(getattr(attention_cls, "forward", None), "__code__", None)
+    """Whether ``attention_cls``'s stock forward calls its ``qkv_backend.forward`` with keywords only,
+    cu_seqlens and attention_mask among them: where it does not, the backend cannot be handed the boundaries."""
+    code = getattr(patching.stock_attribute(attention_cls, "forward"), "__code__", None)
     if code is None or "qkv_backend" not in code.co_names:
         return False
     return {"cu_seqlens", "attention_mask", "bsz", "seq_len"} <= _keyword_names(code)
@@ -85,37 +99,35 @@ def _vit_cuda_graph() -> bool:
         return False
 
 
+def _install(vision) -> None:
+    """SGLang's ``Gemma4VisionAttention.forward`` patched to take a ``Packing`` (stock's for every other
+    call): once, and again after a revert restored the class."""
+    attention_cls = vision.Gemma4VisionAttention
+    if attention_cls.__dict__.get("forward") is not _attention_forward:
+        patching.install_methods(attention_cls, {"forward": _attention_forward})
+
+
 def _varlen(vision, transformer) -> bool:
-    """Whether every layer's backend takes the packed sequence with cu_seqlens."""
+    """Whether every layer takes the packed sequence with a ``Packing``: SGLang's own attention forward,
+    which hands a backend that attends within cu_seqlens segments the boundaries."""
+    if not _attention_takes_boundaries(vision.Gemma4VisionAttention):
+        return False
+    _install(vision)
     for layer in transformer.layers:
         attention = layer.self_attn
         backend = type(getattr(attention, "qkv_backend", None))
-        if not _attention_takes_boundaries(type(attention)):
+        if type(attention).forward is not _attention_forward:  # a subclass's own forward
             return False
         if not any(backend is vision.QKV_BACKEND_IMPL.get(name) for name in VARLEN_BACKENDS):
             return False
     return True
 
 
-@contextlib.contextmanager
-def _boundaries_in(transformer, cu_seqlens: torch.Tensor, max_seqlen: int):
-    """Each layer's ``qkv_backend`` shadowed (an instance attribute over its registered submodule) by one
-    handed ``cu_seqlens``, until the block ends."""
-    attentions = [layer.self_attn for layer in transformer.layers]
-    try:
-        for attention in attentions:
-            attention.__dict__["qkv_backend"] = _Varlen(attention.qkv_backend, cu_seqlens, max_seqlen)
-        yield
-    finally:
-        for attention in attentions:
-            attention.__dict__.pop("qkv_backend", None)
-
-
 def _encode(vision, transformer, inputs_embeds, ids, lengths) -> torch.Tensor:
     """SGLang's encoder on the (1, T, D) packed sequence, attention within each item: (T, D)."""
     if _varlen(vision, transformer):
-        with _boundaries_in(transformer, packed.boundaries(lengths, inputs_embeds.device), max(lengths)):
-            return transformer(inputs_embeds=inputs_embeds, attention_mask=None, patch_positions=ids)[0]
+        packing = Packing.of(lengths, inputs_embeds.device)
+        return transformer(inputs_embeds=inputs_embeds, attention_mask=packing, patch_positions=ids)[0]
     items = zip(torch.split(inputs_embeds[0], lengths), torch.split(ids[0], lengths))
     return torch.cat(
         [transformer(inputs_embeds=e[None], attention_mask=None, patch_positions=i[None])[0] for e, i in items]

@@ -14,13 +14,13 @@ they run out of memory.
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import importlib
 import logging
 import os
 import sys
 import warnings
-import weakref
 
 import torch
 from torch import nn
@@ -39,14 +39,17 @@ _STATE = "planner"  # what a patched model runs with, shown in its repr
 
 @dataclasses.dataclass
 class _Call:
-    """One guarded call of a model: the cap its re-runs put on the chunk, and each chunk ``_encoder_chunk``
-    answered in the current run, as (patches per item, items)."""
+    """One guarded call of a model: the model, the cap its re-runs put on the chunk, and each chunk
+    ``_encoder_chunk`` answered in the current run, as (patches per item, items)."""
 
+    model: nn.Module
     cap: int | None = None
     chunks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
-_CALLS: weakref.WeakKeyDictionary[nn.Module, _Call] = weakref.WeakKeyDictionary()
+# The guarded call running in this thread (context), which vLLM's own method between the guard and
+# ``_encoder_chunk`` cannot pass on: each thread, and each asyncio task, sees only its own.
+_GUARDED: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("fused_vision_guarded_call", default=None)
 
 
 def _planner_path(tower: nn.Module) -> str:
@@ -73,8 +76,8 @@ def _encoder_chunk(self, patches_per_item, free_bytes, total_bytes, position_emb
         dtype=self.model_dtype,  # vLLM casts the embedder's output to it: the encoder's activations
         attn_implementation=encoding.planner_attention(tower.config),
     )
-    call = _CALLS.get(self)
-    if call is not None:
+    call = _GUARDED.get()
+    if call is not None and call.model is self:
         if call.cap is not None:
             chunk = min(chunk, call.cap)
         call.chunks.append((patches_per_item, chunk))
@@ -97,7 +100,8 @@ def _out_of_memory_guard(name: str, pixels_key: str):
         stock = patching.stock_method(self, name)
         if patching.fused_state(self) is None:
             return stock(inputs, *args, **kwargs)
-        call = _CALLS[self] = _Call()
+        call = _Call(self)
+        token = _GUARDED.set(call)
         failed: list[int] = []
         try:
             while True:
@@ -112,7 +116,7 @@ def _out_of_memory_guard(name: str, pixels_key: str):
                 call.cap = failed[-1] // 2
                 encoding.empty_cache(self.vision_tower.patch_embedder.position_embedding_table.device)
         finally:
-            del _CALLS[self]
+            _GUARDED.reset(token)
             if call.cap is not None:
                 outcome = "re-raised the last error" if failed[-1] <= 1 else f"re-ran with at most {call.cap}"
                 sizes = " -> ".join(map(str, failed))

@@ -1,9 +1,11 @@
 """Shared test helpers. The kernels run under TRITON_INTERPRET=1 on CPU machines (set before import)."""
 
 import os
+import threading
 
 import pytest
 import torch
+from torch import nn
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -18,6 +20,7 @@ FLOAT_DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # A command prefix that time-boxes a step as bench/gpu_run.sh does: SIGINT at the box, SIGKILL 15 s later. It also
 # gives a Python child default SIGINT handling where pytest runs with SIGINT ignored (a shell's `cmd &`).
 TIME_BOXED = ["timeout", "--foreground", "-s", "INT", "-k", "15", "300"]
+MEETING_TIMEOUT_S = 120  # how long a thread of ``run_together`` waits for the others
 
 
 def dtype_id(dtype: torch.dtype) -> str:
@@ -82,3 +85,37 @@ def assert_as_accurate_as_stock(actual, stock, exact, *, slack=1.5, floor=0.0, o
         assert actual_error <= bound, (
             f"{what}: relative error (norm {ord}) {actual_error:.3g} vs float64, stock's {stock_error:.3g}"
         )
+
+
+def run_together(meeting_point: nn.Module, *calls):
+    """Each of ``calls`` in a thread of its own, all of them meeting at ``meeting_point``'s first forward
+    before any goes on (one call: it runs alone, through the same hook); their results, in order."""
+    barrier = threading.Barrier(len(calls), timeout=MEETING_TIMEOUT_S)
+    met = threading.local()
+
+    def meet(module, args):
+        if not getattr(met, "done", False):
+            met.done = True
+            barrier.wait()
+
+    results, errors = [None] * len(calls), []
+
+    def run(index, call):
+        try:
+            results[index] = call()
+        except BaseException as exc:  # handed to the test's thread; the others stop waiting for this one
+            errors.append(exc)
+            barrier.abort()
+
+    handle = meeting_point.register_forward_pre_hook(meet)
+    try:
+        threads = [threading.Thread(target=run, args=(index, call)) for index, call in enumerate(calls)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        handle.remove()
+    if errors:
+        raise errors[0]
+    return results

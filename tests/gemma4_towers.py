@@ -207,19 +207,62 @@ def assert_items_match(got, stock, exact, dtype):
         assert_as_accurate_as_stock(g, s, x, floor=floor, ords=(2, float("inf")), what=f"item {index}")
 
 
+def gradients(model, pixels, ids, *, pixels_require_grad=True, forward=None):
+    """The gradients of a loss on ``model``'s soft tokens: of each parameter that requires one, and of the
+    pixels where they do. ``forward``: what to call in place of ``model`` (a compiled model, say)."""
+    inputs = pixels.clone().requires_grad_(pixels_require_grad)
+    out = (model if forward is None else forward)(pixel_values=inputs, pixel_position_ids=ids).last_hidden_state
+    out.float().square().mean().backward()
+    grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
+    return grads | ({"pixels": inputs.grad} if pixels_require_grad else {})
+
+
+def assert_gradients_match(got, expected, what="grad"):
+    """Each gradient of ``got`` within 1e-4 (relative) of ``expected``'s, none missing."""
+    assert got.keys() == expected.keys(), what
+    for name, grad in expected.items():
+        assert got[name] is not None and grad is not None, f"{what} of {name}: none"
+        assert_close(got[name], grad, rtol=1e-4, atol=1e-6, what=f"{what} of {name}")
+
+
 def assert_gradients_match_stock(stock_tower, tower, pixels, ids):
     """Every parameter's and the pixels' gradient of a loss on ``tower``'s soft tokens within 1e-4 of
     ``stock_tower``'s (the same weights)."""
-    grads = []
-    for model in (stock_tower, tower):
-        inputs = pixels.clone().requires_grad_()
-        out = model(pixel_values=inputs, pixel_position_ids=ids).last_hidden_state
-        out.square().mean().backward()
-        grads.append({"pixels": inputs.grad} | {name: p.grad for name, p in model.named_parameters()})
-    for name, expected in grads[0].items():
-        assert grads[1][name] is not None, name
-        assert_close(grads[1][name], expected, rtol=1e-4, atol=1e-6, what=f"grad of {name}")
-    assert grads[0]["pixels"].abs().sum() > 0
+    expected = gradients(stock_tower, pixels, ids)
+    assert_gradients_match(gradients(tower, pixels, ids), expected)
+    assert expected["pixels"].abs().sum() > 0
+
+
+def enable_checkpointing(tower, use_reentrant):
+    """transformers' gradient checkpointing on ``tower``'s layers, as its trainers turn it on."""
+    options = {"use_reentrant": use_reentrant}
+    enable = getattr(tower, "activation_checkpointing_enable", None)  # 5.24+; older: gradient_checkpointing_...
+    if enable is not None:
+        enable(activation_checkpointing_kwargs=options)
+    else:
+        tower.gradient_checkpointing_enable(gradient_checkpointing_kwargs=options)
+
+
+class LoRALinear(nn.Module):
+    """A low-rank adapter around a frozen linear, as adapter libraries wrap one."""
+
+    def __init__(self, base: nn.Linear, rank: int = 2):
+        super().__init__()
+        self.base, self.weight = base, base.weight
+        self.down = nn.Parameter(torch.randn(rank, base.in_features, device=base.weight.device) * 0.1)
+        self.up = nn.Parameter(torch.randn(base.out_features, rank, device=base.weight.device) * 0.1)
+
+    def forward(self, x):
+        return self.base(x) + x @ self.down.T @ self.up.T
+
+
+def adapted(tower, layer=1):
+    """``tower`` frozen but for a LoRA adapter on ``layer``'s q_proj, as adapter training leaves it."""
+    for param in tower.parameters():
+        param.requires_grad_(False)
+    attn = tower.encoder.layers[layer].self_attn
+    attn.q_proj.linear = LoRALinear(attn.q_proj.linear)
+    return tower
 
 
 def compiled_fullgraph_soft_tokens(tower, pixels, ids):

@@ -101,7 +101,7 @@ def test_the_patched_tower_forward_returns_stock_outputs(monkeypatch, kind, fuse
     monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(a[4]) or varlen(*a, **k))
     got = tower(pixel_values=pixels, pixel_position_ids=ids)
     assert type(got) is type(stock) and list(got.keys()) == list(stock.keys())
-    assert calls == [[48, 40, 12, 4]] * 2, "each layer attends within the items' real patches"
+    assert calls == [(48, 40, 12, 4)] * 2, "each layer attends within the items' real patches"
     assert_close(got.last_hidden_state, stock.last_hidden_state, **FP32_CLOSE, what="soft tokens")
     with torch.no_grad():  # stock's own forward wherever outputs are recorded
         recorded = tower(pixel_values=pixels, pixel_position_ids=ids, output_hidden_states=True)

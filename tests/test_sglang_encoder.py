@@ -10,13 +10,14 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fused_vision.sglang as fs
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, run_together
 from sglang_towers import (
     embedding_gemma2,
     float64_twin,
@@ -268,6 +269,31 @@ def test_packed_encoder_ignores_padding_where_the_backend_drops_the_mask(monkeyp
     assert_close(packed, reference, rtol=1e-5, atol=1e-5, what="packed soft tokens (Triton) vs the masked forward")
     apart = (stock - reference).abs().amax(dim=(1, 2))
     assert apart[0] < 1e-5 and (apart[1:] > 1e-2).all(), apart  # stock's padded items attend their padding
+
+
+def test_packed_forwards_in_two_threads_attend_within_their_own_items(monkeypatch):
+    """Two threads' packed forwards of other items through one encoder, both inside its layer at once, each
+    return what they return alone. Triton's backend with its kernel in sdpa per cu_seqlens segment (the
+    interpreter runs one thread at a time); it checks that the boundaries it is handed are its call's."""
+
+    def per_segment(self, q, k, v, cu_seqlens, **kwargs):
+        assert cu_seqlens is not None and int(cu_seqlens[-1]) == q.shape[0], "another call's boundaries"
+        bounds = cu_seqlens.tolist()
+        heads = [[t[start:end].transpose(0, 1) for t in (q, k, v)] for start, end in zip(bounds, bounds[1:])]
+        return torch.cat([F.scaled_dot_product_attention(*h, scale=1.0).transpose(0, 1) for h in heads])
+
+    monkeypatch.setattr(attention_backends["triton_attn"], "forward", per_segment)
+    with runtime.get_mm().override(mm_attention_backend="triton_attn"):
+        encoder = make_encoder(torch.float32)
+    apply_fused_vision_to_sglang_gemma4(encoder, embedder=None, pooler=False, encoder="packed")
+    batches = [inputs()[:2], inputs(grids=[(3, 3), (9, 9)])[:2]]
+    calls = [lambda pixels=pixels, ids=ids: encoder(pixels, ids)[0] for pixels, ids in batches]
+    meeting_point = encoder.encoder.layers[0]
+    with torch.no_grad():
+        alone = [run_together(meeting_point, call)[0] for call in calls]
+        together = run_together(meeting_point, *calls)
+    for index, (got, expected) in enumerate(zip(together, alone, strict=True)):
+        assert_bit_identical(got, expected, f"thread {index}'s soft tokens")
 
 
 def test_packed_encoder_reverts_and_runs_stock_where_it_cannot_pack():

@@ -441,7 +441,7 @@ def test_a_call_that_runs_out_of_memory_runs_again_at_half_the_chunk(
     assert len(got) == len(unconstrained)
     for index, (g, e) in enumerate(zip(got, unconstrained, strict=True)):
         assert_bit_identical(g, e, f"item {index}")
-    assert not fv._CALLS, "the guard leaves no cap behind for the next call"
+    assert fv._GUARDED.get() is None, "the guard leaves no cap behind for the next call"
 
 
 @needs_vllm
@@ -453,7 +453,7 @@ def test_one_frame_that_does_not_fit_raises_its_error(tiny_model, memory, monkey
     with pytest.warns(RuntimeWarning, match=warning), pytest.raises(torch.OutOfMemoryError, match="injected: 1 items"):
         run(tiny_model, "_process_video_input", inputs)
     assert called == [5, 2, 1]
-    assert not fv._CALLS
+    assert fv._GUARDED.get() is None
 
 
 @needs_vllm
