@@ -195,3 +195,27 @@ def test_the_revert_gives_stock_back_bit_for_bit():
     encode(tower, embedded, valid, ids)
     revert_fused_vision_gemma4()
     assert_bit_identical(encode(tower, embedded, valid, ids), stock)
+
+
+def test_vllms_flash_attention_runs_where_flash_attn_is_missing(monkeypatch, caplog):
+    """vLLM ships its own varlen kernel (its argument order: max_seqlen_q before cu_seqlens_q), not flash-attn."""
+    packing, calls = Packing.of([3, 2], "cpu"), []
+
+    def vllm_varlen(
+        q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, dropout_p=0.0, softmax_scale=None
+    ):
+        calls.append((max_seqlen_q, cu_seqlens_q.tolist(), max_seqlen_k, cu_seqlens_k.tolist(), softmax_scale))
+        return attention.varlen_attention(q, k, v, cu_seqlens_q, packing.lengths, max_seqlen_q, scale=1.0, path="sdpa")
+
+    monkeypatch.setattr(attention, "_flash_kernels_take", lambda query: True)
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
+    monkeypatch.setattr(attention, "_vllm_flash_attn_varlen", lambda: vllm_varlen)
+    attention._log_path.cache_clear()
+    query, key, value = torch.randn(3, 5, 2, 72).unbind(0)
+    assert attention.attention_path(query) == "vllm_flash_attn"
+    with caplog.at_level("INFO", logger="fused_vision"):
+        got = packing.attend(query, key, value, scale=1.0)
+    assert calls == [(3, [0, 3, 5], 3, [0, 3, 5], 1.0)]
+    assert "the packed attention runs vllm_flash_attn" in caplog.text
+    expected = attention.varlen_attention(query, key, value, packing.cu_seqlens, [3, 2], 3, scale=1.0, path="sdpa")
+    assert_bit_identical(got, expected)
