@@ -3,7 +3,8 @@
 #   bash bench/gpu_run.sh [--out DIR] [STEP...]
 # A full run takes two calls. With no step named, the correctness tests at real shapes, then the benchmark:
 #   bash bench/gpu_run.sh                              gpu_tests bench                ~5.5 min, box 450 s
-#   bash bench/gpu_run.sh planner_check kernel_tests   the other two                  ~2.5 min, box 300 s
+#   bash bench/gpu_run.sh planner_check kernel_tests   two more                       ~2.5 min, box 300 s
+#   bash bench/gpu_run.sh vllm_encoder                 the last                       ~2 min, box 180 s
 # Where a step failed, rerun it alone. The steps:
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
@@ -14,8 +15,12 @@
 #   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
 #                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
 #                  box is by design and does not fail the run                      box 150 s
+#   vllm_encoder   bench/vllm_encoder.py: vLLM's encoder calls stock vs packed vs fused, 26B/31B and E4B,
+#                  image 8x280 and video 32x70, bf16; vLLM's ReplicatedLinear where vLLM imports, else
+#                  transformers' nn.Linear (the same F.linear)                     box 180 s, ~2 min
 # Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
-# checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs), so DIR holds few files.
+# checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs, vllm_encoder.md), so DIR
+# holds few files.
 # Exits non-zero if any step failed; later steps still run.
 # Each box is cut to what is left before GPU_RUN_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
 # install and archive, counted from the start), so a slow or hung step costs its own results, not the later
@@ -53,18 +58,20 @@ if [ "$dry" != 0 ]; then
   planner_args=(--device cpu --tiny)
   kernel_tests=(tests/test_validation.py)
   shards_args=(--shards 2)
+  vllm_encoder_args=(--tiny)
 else
   bench_args=(--time-budget 200)
   planner_args=()
   shards_args=()
+  vllm_encoder_args=()
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
-declare -A box=([gpu_tests]=150 [bench]=270 [planner_check]=120 [kernel_tests]=150)
+declare -A box=([gpu_tests]=150 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180)
 [ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do
   if [ -z "${box[$name]:-}" ]; then
-    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests" >&2
+    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder" >&2
     exit 2
   fi
   default_deadline=$((default_deadline + box[$name]))
@@ -144,6 +151,7 @@ for name in "${steps[@]}"; do
     # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
     kernel_tests) step kernel_tests "$python" bench/tools/pytest_shards.py --out "$checks/kernel_tests" \
       "${shards_args[@]}" -- --maxfail=10 -p no:cacheprovider "${kernel_tests[@]}" ;;
+    vllm_encoder) step vllm_encoder "$python" bench/vllm_encoder.py --out "$checks" "${vllm_encoder_args[@]}" ;;
   esac
 done
 

@@ -14,11 +14,13 @@ never attend across items.
 
 Paths, the first one that takes the inputs (``attention_path``):
 
-    flash_attn     flash-attn's ``flash_attn_varlen_func``: CUDA sm80+, fp16/bf16, head_dim % 8 == 0, <= 256
-    torch_varlen   ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+): the same limits, no dropout
-    sdpa           ``F.scaled_dot_product_attention`` per item, no mask: every other device, dtype or shape
+    flash_attn       flash-attn's ``flash_attn_varlen_func``: CUDA sm80+, fp16/bf16, head_dim % 8 == 0, <= 256
+    vllm_flash_attn  vLLM's own (``vllm.vllm_flash_attn``; vLLM does not install flash-attn): the same limits
+    torch_varlen     ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+): the same limits, no dropout
+    sdpa             ``F.scaled_dot_product_attention`` per item, no mask: every other device, dtype or shape
 
-Each takes the layer's own scale (Gemma 4: 1.0, its q/k norms replace the 1/sqrt(d)).
+Each takes the layer's own scale (Gemma 4: 1.0, its q/k norms replace the 1/sqrt(d)). The path a process
+takes is logged once (logger ``fused_vision``, INFO).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import dataclasses
 import functools
 import importlib
 import itertools
+import logging
 import sys
 from collections.abc import Sequence
 
@@ -35,6 +38,8 @@ import torch.nn.functional as F
 
 from . import _releases, patching
 from ._dispatch import warn_once
+
+logger = logging.getLogger("fused_vision")
 
 __all__ = [
     "PACKED_ATTENTION",
@@ -78,6 +83,20 @@ def _flash_attn_varlen():
 
 
 @functools.cache
+def _vllm_flash_attn_varlen():
+    """vLLM's own ``flash_attn_varlen_func``, or None where vLLM or its CUDA flash-attention build is missing."""
+    try:
+        return importlib.import_module("vllm.vllm_flash_attn").flash_attn_varlen_func
+    except (ImportError, AttributeError, OSError):
+        return None
+
+
+@functools.cache
+def _log_path(path: str) -> None:
+    logger.info("fused_vision: the packed attention runs %s", path)
+
+
+@functools.cache
 def _torch_varlen():
     """torch's ``varlen_attn`` (2.10+) where this build has its flash kernels, else None."""
     try:
@@ -98,10 +117,13 @@ def _flash_kernels_take(query: torch.Tensor) -> bool:
 
 
 def attention_path(query: torch.Tensor, dropout: float = 0.0) -> str:
-    """The path ``varlen_attention`` takes for (T, H, d) queries: "flash_attn", "torch_varlen" or "sdpa"."""
+    """The path ``varlen_attention`` takes for (T, H, d) queries: "flash_attn", "vllm_flash_attn",
+    "torch_varlen" or "sdpa"."""
     if _flash_kernels_take(query):
         if _flash_attn_varlen() is not None:
             return "flash_attn"
+        if _vllm_flash_attn_varlen() is not None:
+            return "vllm_flash_attn"
         if _torch_varlen() is not None and dropout == 0.0:
             return "torch_varlen"
     if query.device.type == "cuda":
@@ -118,16 +140,21 @@ def varlen_attention(query, key, value, cu_seqlens, lengths, max_seqlen, *, scal
     ``path`` forces one of ``attention_path``'s (for tests); it must take the inputs.
     """
     path = path or attention_path(query, dropout)
+    _log_path(path)
     if path == "flash_attn":
         return _flash_attn_varlen()(
             query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p=dropout, softmax_scale=scale
+        )
+    if path == "vllm_flash_attn":  # its own argument order: max_seqlen_q before cu_seqlens_q
+        return _vllm_flash_attn_varlen()(
+            query, key, value, max_seqlen, cu_seqlens, max_seqlen, cu_seqlens, dropout_p=dropout, softmax_scale=scale
         )
     if path == "torch_varlen":
         if dropout:
             raise ValueError("dropout: torch's varlen_attn takes none")
         return _torch_varlen()(query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, scale=scale)
     if path != "sdpa":
-        raise ValueError(f"path: expected 'flash_attn', 'torch_varlen' or 'sdpa', got {path!r}")
+        raise ValueError(f"path: expected 'flash_attn', 'vllm_flash_attn', 'torch_varlen' or 'sdpa', got {path!r}")
     # (H, T, d) views; each item attends to its own patches only, so no mask is needed
     query, key, value = (t.transpose(0, 1) for t in (query, key, value))
     outputs, start = [], 0

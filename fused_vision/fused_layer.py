@@ -1,7 +1,7 @@
 """The fused Gemma 4 vision encoder layer: two concatenated GEMMs and three kernels, on (T, D) rows.
 
-The rows are the packed sequence (``fused_vision.packed``, attention within each item) or, through
-``padded_encoder_forward``, the encoder's padded (B, N) batch (attention to each item's valid keys).
+The rows are the packed sequence (``fused_vision.packed``, attention within each item) or the encoder's
+padded (B, N) batch (``fused_vision.encoder``; attention to each item's valid keys).
 Per layer (stock's modules in brackets):
 
     qkv    = y @ W_qkv.T                          one GEMM       [q_proj, k_proj, v_proj]
@@ -40,10 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _releases, patching
+from . import _releases, linears
 from ._dispatch import warn_once
 from ._validation import FLOAT_DTYPES
-from .attention import attention_supported
 from .ops.gelu_gate import gelu_gate
 from .ops.qkv_norm_rope import qkv_norm_rope
 from .ops.residual_rms_norm import residual_rms_norm
@@ -51,7 +50,8 @@ from .ops.residual_rms_norm import residual_rms_norm
 __all__ = [
     "attend_valid_keys",
     "blocker",
-    "padded_encoder_forward",
+    "may_read_on_host",
+    "records_outputs",
     "prepare",
     "release",
     "run_layers",
@@ -67,8 +67,6 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 _NORMS += ("self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm")
 _SHARED = "_fused_vision_weights"  # the layer's {group: concatenated weight}, a plain attribute
 _ACTIVATION = "gelu_pytorch_tanh"
-# Keywords the stock encoder's forward takes that change nothing the fused layers compute
-_PASSIVE_KWARGS = ("output_hidden_states", "output_attentions", "return_dict", "use_cache")
 _SHARING: weakref.WeakSet = weakref.WeakSet()  # the layers whose parameters view concatenated weights
 
 
@@ -85,9 +83,8 @@ def _classes(layer: nn.Module) -> dict[str, type]:
 
 
 def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
-    """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, plain
-    bias-free ``nn.Linear`` weights of the hidden states' dtype and device, no hooks, the tanh GELU, and
-    no autocast."""
+    """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, linears
+    it can call as stock does (``fused_vision.linears``), no hooks, the tanh GELU, and no autocast."""
     modeling = _modeling(layer)
     if type(layer) is not getattr(modeling, "Gemma4VisionEncoderLayer", None):
         return f"it is a {type(layer).__name__}, not transformers' Gemma4VisionEncoderLayer"
@@ -102,21 +99,14 @@ def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
         hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
         if hasattr(module, "_hf_hook") or any(not _output_capture(hook) for hook in hooks):
             return f"{name or 'the layer'} has forward hooks"
-        if any(not _idle(hook) for hook in hooks):
+        if records_outputs(module):
             return "this forward records hidden states or attentions"
     if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
         return "global module hooks are registered"
-    for name in _LINEARS:
-        linear = layer.get_submodule(name).linear
-        if type(linear) is not nn.Linear:  # quantized, LoRA-adapted or parametrized linears are subclasses
-            return f"{name}.linear is a {type(linear).__name__}, not an nn.Linear"
-        if linear.bias is not None:
-            return f"{name}.linear has a bias"
-        weight = linear.weight
-        if type(weight) is not nn.Parameter and type(weight) is not torch.Tensor:
-            return f"{name}.linear.weight is a {type(weight).__name__}"
-        if weight.dtype != hidden_states.dtype or weight.device != hidden_states.device:
-            return f"{name}.linear.weight is {weight.dtype} on {weight.device}, the hidden states {hidden_states.dtype}"
+    for name in _LINEARS:  # a linear whose weight the layer cannot read keeps its own call
+        reason = linears.unusable(layer.get_submodule(name).linear)
+        if reason is not None:
+            return f"{name}.linear {reason}"
     if hidden_states.dtype not in FLOAT_DTYPES:
         return f"hidden states of dtype {hidden_states.dtype}"
     if layer.self_attn.head_dim % 4:
@@ -133,6 +123,12 @@ def _output_capture(hook) -> bool:
     return named and hasattr(_hook_module(hook), "_active_collector")
 
 
+def records_outputs(module: nn.Module) -> bool:
+    """Whether an output-capturing hook on ``module`` records in this forward."""
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values()]
+    return any(_output_capture(hook) and not _idle(hook) for hook in hooks)
+
+
 def _hook_module(hook):
     return sys.modules.get(getattr(hook, "__module__", None) or "")
 
@@ -145,7 +141,7 @@ def _idle(hook) -> bool:
         return True
 
 
-def _may_read_on_host(tensor: torch.Tensor) -> bool:
+def may_read_on_host(tensor: torch.Tensor) -> bool:
     """Whether reading ``tensor``'s values on the host is allowed: not under torch.compile, nor while a CUDA
     graph is captured or torch's sync debug mode is armed."""
     if torch.compiler.is_compiling():
@@ -180,15 +176,17 @@ def share_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
     made again, where a weight was replaced or moved) here. The parameters stay the same objects."""
     shared = layer.__dict__.setdefault(_SHARED, {})
     for group in _GROUPS:
-        linears = [clipped.linear for clipped in _group(layer, group)]
-        if _views_of(shared.get(group), [linear.weight for linear in linears]):
+        modules = [clipped.linear for clipped in _group(layer, group)]
+        if not all(linears.computes_linear(module) for module in modules):
+            continue  # each keeps its own GEMM
+        if _views_of(shared.get(group), [module.weight for module in modules]):
             continue
         with torch.no_grad():
-            base = torch.cat([linear.weight for linear in linears])
+            base = torch.cat([module.weight for module in modules])
             row = 0
-            for linear in linears:
-                rows = linear.weight.shape[0]
-                linear.weight.data = base[row : row + rows]  # the same Parameter, its storage now base's
+            for module in modules:
+                rows = module.weight.shape[0]
+                module.weight.data = base[row : row + rows]  # the same Parameter, its storage now base's
                 row += rows
         shared[group] = base
     _SHARING.add(layer)
@@ -234,25 +232,28 @@ def release(model: nn.Module | None) -> int:
 # ---- the E2B/E4B clipped linears ---------------------------------------------------------------------
 
 
-def _clamp_table(linears: list[nn.Module], sides: list[str]) -> torch.Tensor | None:
+def _clamp_table(clipped: list[nn.Module], sides: list[str]) -> torch.Tensor | None:
     """The (rows, 2) fp32 (min, max) table of the ops' ``clamps``: one row per (linear, "input"|"output")."""
-    if not linears[0].use_clipped_linears:
+    if not clipped[0].use_clipped_linears:
         return None
-    rows = [torch.stack([getattr(m, f"{side}_min"), getattr(m, f"{side}_max")]) for m, side in zip(linears, sides)]
+    rows = [torch.stack([getattr(m, f"{side}_min"), getattr(m, f"{side}_max")]) for m, side in zip(clipped, sides)]
     return torch.stack(rows).float()
 
 
 def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
     """The group's projections of y side by side, each after its own input clamp: one GEMM where the
     clamps are alike (or absent), one per projection otherwise."""
-    linears = _group(layer, group)
-    if not linears[0].use_clipped_linears:
+    clipped = _group(layer, group)
+    if not all(linears.reads_weight(m.linear, y) for m in clipped):  # each its own GEMM, as stock calls it
+        inputs = [torch.clamp(y, m.input_min, m.input_max) if m.use_clipped_linears else y for m in clipped]
+        return torch.cat([m.linear(x) for m, x in zip(clipped, inputs)], dim=-1)
+    if not clipped[0].use_clipped_linears:
         return F.linear(y, _gemm_weight(layer, group))
-    bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in linears])
+    bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in clipped])
     # Comparing the bounds reads them on the host; where that is not allowed, one GEMM per projection.
-    if _may_read_on_host(bounds) and bool((bounds == bounds[0]).all()):
-        return F.linear(torch.clamp(y, linears[0].input_min, linears[0].input_max), _gemm_weight(layer, group))
-    return torch.cat([F.linear(torch.clamp(y, m.input_min, m.input_max), m.linear.weight) for m in linears], dim=-1)
+    if may_read_on_host(bounds) and bool((bounds == bounds[0]).all()):
+        return F.linear(torch.clamp(y, clipped[0].input_min, clipped[0].input_max), _gemm_weight(layer, group))
+    return torch.cat([F.linear(torch.clamp(y, m.input_min, m.input_max), m.linear.weight) for m in clipped], dim=-1)
 
 
 # ---- the layer and the loop ----------------------------------------------------------------------------
@@ -289,7 +290,7 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backe
     )
     down = mlp.down_proj
     gelu_clamps = _clamp_table([mlp.gate_proj, mlp.up_proj, down], ["output", "output", "input"])
-    mlp_output = F.linear(gelu_gate(_project(y, layer, "gate_up"), gelu_clamps, backend=backend), down.linear.weight)
+    mlp_output = linears.project(down.linear, gelu_gate(_project(y, layer, "gate_up"), gelu_clamps, backend=backend))
     if down.use_clipped_linears:
         mlp_output = torch.clamp(mlp_output, down.output_min, down.output_max)
     post_weight = layer.post_feedforward_layernorm.weight
@@ -356,37 +357,3 @@ def attend_valid_keys(valid: torch.Tensor):
         return output.transpose(1, 2).flatten(0, 1)
 
     return attend
-
-
-def padded_encoder_forward(self, inputs_embeds, attention_mask, pixel_position_ids=None, **kwargs):
-    """``Gemma4VisionEncoder.forward`` with fused layers on its padded (B, N, D) batch: for the callers of the
-    encoder itself (``Gemma4VisionModel.forward`` under torch.compile, an engine calling the submodules).
-    No host reads, so it compiles in one graph and captures in a CUDA graph. Other calls run stock."""
-    state = patching.fused_state(self)
-    shaped = (
-        isinstance(inputs_embeds, torch.Tensor)
-        and inputs_embeds.dim() == 3
-        and isinstance(attention_mask, torch.Tensor)
-        and attention_mask.dtype == torch.bool
-        and attention_mask.shape == inputs_embeds.shape[:2]
-        and isinstance(pixel_position_ids, torch.Tensor)
-        and pixel_position_ids.shape == (*inputs_embeds.shape[:2], 2)
-    )
-    if (
-        state is None
-        or not shaped
-        or any(name not in _PASSIVE_KWARGS for name in kwargs)
-        or not attention_supported(self.config)
-    ):
-        return patching.stock_method(self, "forward")(inputs_embeds, attention_mask, pixel_position_ids, **kwargs)
-
-    def stock_kwargs():  # stock's (B, 1, N, N) mask, built only where a layer runs stock code
-        mask = _modeling(self).create_bidirectional_mask(
-            config=self.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
-        )
-        return dict(attention_mask=mask)
-
-    rows, ids = inputs_embeds.flatten(0, 1), pixel_position_ids.flatten(0, 1)
-    attend = attend_valid_keys(attention_mask)
-    h = run_layers(self, rows, ids, attend, attention_mask.shape, stock_kwargs, state.backend)
-    return _modeling(self).BaseModelOutputWithPast(last_hidden_state=h.view_as(inputs_embeds))

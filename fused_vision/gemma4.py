@@ -29,6 +29,7 @@ from torch import nn
 from . import _releases, fused_layer, packed, patching
 from ._dispatch import BACKENDS
 from ._validation import FLOAT_DTYPES, INDEX_DTYPES
+from .encoder import encoder_forward
 from .ops.patch_embed import patch_embed as _fused_patch_embed
 from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 from .ops.position_embeddings import position_embeddings as _fused_position_embeddings
@@ -345,8 +346,8 @@ def apply_fused_vision_to_gemma4(
         encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state)
     embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
     targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=encoder_target)
-    if encoder == "fused":  # the encoder's own forward too, padded: for torch.compile and its direct callers
-        methods = {"forward": fused_layer.padded_encoder_forward}
+    if encoder != "stock":  # the encoder's own forward too: for its direct callers (vLLM) and torch.compile
+        methods = {"forward": encoder_forward}
         targets.append(patching.Target(modeling.Gemma4VisionEncoder, methods, state))
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "

@@ -34,6 +34,7 @@ __all__ = [
     "pack_items",
     "packed_model_forward",
     "padded_batch",
+    "run_packed",
     "scatter_rows",
     "soft_tokens",
 ]
@@ -84,18 +85,14 @@ def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows.new_zeros(*mask.shape, rows.shape[-1]).masked_scatter(mask[..., None], rows)
 
 
-def _run_encoder(tower, inputs_embeds, position_ids, lengths):
-    """The tower's own encoder layers on the (1, T, D) packed sequence, each handed the items' ``Packing``
-    as its attention mask (so their attention stays within each item, in every replay of the call);
-    fused (``fused_vision.fused_layer``) where the tower is patched with ``encoder="fused"``."""
+def run_packed(encoder: nn.Module, rows, ids, lengths, backend: str | None) -> torch.Tensor:
+    """The encoder's layers on (T, D) packed ``rows`` with (T, 2) ``ids``, items of ``lengths`` rows, each
+    layer handed the items' ``Packing`` as its attention mask (so its attention stays within each item, in
+    every replay of the call); fused (``fused_vision.fused_layer``) with a ``backend``, else stock's."""
     attention.install()
-    packing = Packing.of(lengths, inputs_embeds.device)
-    state = patching.fused_state(tower)
-    backend = state.backend if state is not None and state.op == "fused_encoder" else None
-    rows, ids, shape = inputs_embeds[0], position_ids[0], (1, inputs_embeds.shape[1])
-    return fused_layer.run_layers(
-        tower.encoder, rows, ids, packing.attend, shape, lambda: dict(attention_mask=packing), backend
-    )
+    packing = Packing.of(lengths, rows.device)
+    stock_kwargs = lambda: dict(attention_mask=packing)  # noqa: E731  (the fallback layers' attention mask)
+    return fused_layer.run_layers(encoder, rows, ids, packing.attend, (1, rows.shape[0]), stock_kwargs, backend)
 
 
 def encode(
@@ -109,7 +106,9 @@ def encode(
     real, lengths, pixels, ids = pack_items(pixel_values, position_ids)
     no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
     inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
-    segments = torch.split(_run_encoder(tower, inputs_embeds, ids, lengths), lengths)
+    state = patching.fused_state(tower)
+    backend = state.backend if state is not None and state.op == "fused_encoder" else None
+    segments = torch.split(run_packed(tower.encoder, inputs_embeds[0], ids[0], lengths, backend), lengths)
 
     groups: dict[int, list[int]] = {}  # items of one N share a pooler call, as in stock's batch
     for index, item_ids in enumerate(position_ids):

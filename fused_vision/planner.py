@@ -124,12 +124,13 @@ def plan(
     dtype: torch.dtype = torch.bfloat16,
     attn_implementation: str | None = None,
     extra_bytes_per_item: int = 0,
+    encoder: str = "stock",
 ) -> int:
     """Items to encode per vision-tower call: ``max(1, min(num_items, budget // cost))``.
 
     ``budget`` is vLLM's ``min(free // 2, total // 10)``; ``cost`` is ``transient_bytes_per_item`` of the
-    path in use, plus ``extra_bytes_per_item`` (what the caller allocates per item beside the tower, e.g.
-    a device copy of its inputs). Memory comes from ``free_bytes`` and ``total_bytes`` when given, else
+    path and ``encoder`` in use, plus ``extra_bytes_per_item`` (what the caller allocates per item beside the
+    tower, e.g. a device copy of its inputs). Memory comes from ``free_bytes`` and ``total_bytes`` when given, else
     from ``device_memory(device)``, ``device`` defaulting to the current accelerator (the CPU without one).
     On MPS, whose SDPA builds the (N, N) scores that CUDA's fused kernels never hold, sdpa is priced as
     eager attention. With path="onehot" and sdpa on CUDA this is ``min(num_items, encoder_chunk(...))``
@@ -141,7 +142,12 @@ def plan(
     device = _planned_device(device, free_bytes)
     attn_implementation = _priced_attention(vision_config, attn_implementation, device)
     cost = extra + transient_bytes_per_item(
-        patches_per_item, vision_config, path=path, dtype=dtype, attn_implementation=attn_implementation
+        patches_per_item,
+        vision_config,
+        path=path,
+        dtype=dtype,
+        attn_implementation=attn_implementation,
+        encoder=encoder,
     )
     return max(1, min(items, _planned_budget(device, free_bytes, total_bytes) // cost))
 

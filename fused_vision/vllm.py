@@ -8,14 +8,20 @@ sizes the tower's chunks with ``_encoder_chunk``, priced as the int64 one-hot of
 on a 22 GiB card with 3 GiB free it sends one 2520-patch image per call where the tower's own
 activations leave room for sixteen. Patched here, a model's own calls of it return
 ``fused_vision.planner.plan``'s chunk within vLLM's budget; calls through the class (vLLM's tests) keep
-vLLM's answer. ``_process_image_input`` and ``_process_video_input`` run again at half the chunk when
-they run out of memory.
+vLLM's answer. vLLM's calls that encode a batch (``_process_image_input`` and ``_process_video_input``,
+or in 0.34 their ``_local`` halves, which run on each rank before any collective) run again at half the
+chunk when they run out of memory.
+
+The encoder (``FUSED_VISION_VLLM_ENCODER`` for the plugin, ``encoder=`` here) is transformers'
+``Gemma4VisionEncoder.forward`` patched as ``fused_vision.encoder`` describes: vLLM hands it padded
+batches, which it packs in vLLM's eager calls ("packed"), with fused layers on vLLM's own linears ("fused").
 """
 
 from __future__ import annotations
 
 import contextvars
 import dataclasses
+import functools
 import importlib
 import logging
 import os
@@ -28,11 +34,18 @@ from torch import nn
 from . import encoding, gemma4, patching, planner
 from ._dispatch import warn_once
 
-__all__ = ["ENV_VLLM", "apply_fused_vision_to_vllm_gemma4", "revert_fused_vision_vllm_gemma4", "vllm_plugin"]
+__all__ = [
+    "ENV_VLLM",
+    "ENV_VLLM_ENCODER",
+    "apply_fused_vision_to_vllm_gemma4",
+    "revert_fused_vision_vllm_gemma4",
+    "vllm_plugin",
+]
 
 logger = logging.getLogger("fused_vision")
 
 ENV_VLLM = "FUSED_VISION_VLLM"
+ENV_VLLM_ENCODER = "FUSED_VISION_VLLM_ENCODER"  # the plugin's encoder= (stock when unset)
 VLLM_MODULE = "vllm.model_executor.models.gemma4_mm"
 _STATE = "planner"  # what a patched model runs with, shown in its repr
 
@@ -66,6 +79,8 @@ def _encoder_chunk(self, patches_per_item, free_bytes, total_bytes, position_emb
         stock = patching.stock_method(self, "_encoder_chunk")
         return stock(patches_per_item, free_bytes, total_bytes, position_embedding_size)
     tower = self.vision_tower  # position_embedding_size is its config's, which the planner reads
+    encoder_state = patching.fused_state(tower.encoder)
+    packed_encoder = encoder_state is not None and encoder_state.op in ("packed_encoder", "fused_encoder")
     chunk = planner.plan(
         sys.maxsize,  # vLLM takes min(len(items), chunk) itself
         patches_per_item,
@@ -75,6 +90,7 @@ def _encoder_chunk(self, patches_per_item, free_bytes, total_bytes, position_emb
         total_bytes=total_bytes,
         dtype=self.model_dtype,  # vLLM casts the embedder's output to it: the encoder's activations
         attn_implementation=encoding.planner_attention(tower.config),
+        encoder="packed" if packed_encoder else "stock",  # packed: each item's real patches, no (N, N) mask
     )
     call = _GUARDED.get()
     if call is not None and call.model is self:
@@ -131,13 +147,21 @@ def _out_of_memory_guard(name: str, pixels_key: str):
     return guarded
 
 
-_METHODS = {
-    "_encoder_chunk": patching.InstanceMethod(_encoder_chunk),
-    "_process_image_input": patching.InstanceMethod(_out_of_memory_guard("_process_image_input", "pixel_values")),
-    "_process_video_input": patching.InstanceMethod(
-        _out_of_memory_guard("_process_video_input", "pixel_values_videos")
-    ),
-}
+# vLLM's calls that encode a batch, by the input key of its pixels. vLLM 0.34 splits each into a dispatcher
+# (in data-parallel encoder mode: items split across ranks, then all_reduce and all_gather) and its
+# ``_local`` half, which encodes one rank's items before any collective: that half is guarded, so a re-run
+# never re-enters a collective.
+_ENCODING_CALLS = {"_process_image_input": "pixel_values", "_process_video_input": "pixel_values_videos"}
+
+
+def _methods(cls: type) -> dict[str, patching.InstanceMethod]:
+    """The methods to patch on vLLM's class: the chunk, and the guard on each encoding call's innermost form."""
+    methods = {"_encoder_chunk": patching.InstanceMethod(_encoder_chunk)}
+    for name, pixels_key in _ENCODING_CALLS.items():
+        local = f"{name}_local"
+        guarded = local if patching.stock_attribute(cls, local) is not patching.MISSING else name
+        methods[guarded] = patching.InstanceMethod(_out_of_memory_guard(guarded, pixels_key))
+    return methods
 
 
 def _model_class() -> type:
@@ -151,8 +175,9 @@ def _model_class() -> type:
     return module.Gemma4ForConditionalGeneration
 
 
-def apply_fused_vision_to_vllm_gemma4() -> int:
-    """Patch vLLM's ``Gemma4ForConditionalGeneration``: the planner's chunks and the out-of-memory guard.
+def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
+    """Patch vLLM's ``Gemma4ForConditionalGeneration``: the planner's chunks and the out-of-memory guard;
+    with ``encoder`` "packed" or "fused", transformers' Gemma 4 encoder too.
 
     For every model vLLM builds, built already or later:
 
@@ -161,25 +186,36 @@ def apply_fused_vision_to_vllm_gemma4() -> int:
       ``min(free // 2, total // 10)``. It prices the path that runs: the one-hot where a 5.5-5.9
       embedder runs stock code, the tower's activations otherwise. Called through the class (vLLM's
       tests do), it stays vLLM's.
-    - ``_process_image_input`` and ``_process_video_input`` that run out of memory
-      (``torch.OutOfMemoryError``) run again, whole, with the chunk capped at half the chunk that failed,
-      down to one item, whose error is raised; a ``RuntimeWarning`` names the sizes.
+    - ``_process_image_input`` and ``_process_video_input`` (in vLLM 0.34 their ``_local`` halves, which
+      also serve the CUDA-graph path's eager fallback) that run out of memory (``torch.OutOfMemoryError``)
+      run again, whole, with the chunk capped at half the chunk that failed, down to one item, whose
+      error is raised; a ``RuntimeWarning`` names the sizes.
+    - ``encoder``: "stock" leaves transformers' encoder as it is; "packed" or "fused" patch its class as
+      ``apply_fused_vision_to_gemma4(encoder=...)`` does (the embedder and pooler untouched): vLLM's padded
+      batches run packed in its eager calls, with fused layers on vLLM's linears for "fused", and
+      ``_encoder_chunk`` prices the packed encoder.
 
     Returns:
-        The number of methods patched: 3, fewer where this vLLM lacks one (a warning names it), 0 without
-        ``_encoder_chunk``, whose chunk the guard would cap. Calling again changes nothing.
+        The number of vLLM's methods patched: 3, fewer where this vLLM lacks one (a warning names it), 0
+        without ``_encoder_chunk``, whose chunk the guard would cap. Calling again changes nothing.
 
     Raises:
-        ImportError: vLLM or its Gemma 4 model is missing.
+        ValueError: an unknown ``encoder``.
+        ImportError: vLLM or its Gemma 4 model is missing (transformers' too, for a packed or fused encoder).
     """
+    if encoder not in gemma4.ENCODERS:
+        raise ValueError(f"encoder: expected one of {gemma4.ENCODERS}, got {encoder!r}")
     cls = _model_class()
-    missing = [name for name in _METHODS if patching.stock_attribute(cls, name) is patching.MISSING]
+    methods = _methods(cls)
+    missing = [name for name in methods if patching.stock_attribute(cls, name) is patching.MISSING]
     if "_encoder_chunk" in missing:
         warn_once(f"fused_vision: vLLM's {cls.__name__} has no _encoder_chunk: its chunks stay vLLM's")
         return 0
     if missing:
         warn_once(f"fused_vision: vLLM's {cls.__name__} has no {' or '.join(missing)}: no out-of-memory guard there")
-    methods = {name: method for name, method in _METHODS.items() if name not in missing}
+    if encoder != "stock":
+        gemma4.apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
+    methods = {name: method for name, method in methods.items() if name not in missing}
     patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _STATE)], "")
     return len(methods)
 
@@ -190,7 +226,8 @@ def _is_vllm_class(cls: type) -> bool:
 
 def revert_fused_vision_vllm_gemma4() -> int:
     """Undo ``apply_fused_vision_to_vllm_gemma4``: vLLM's class holds its own methods again, the very
-    objects it held. Returns the number of classes restored (0 or 1)."""
+    objects it held. Returns the number of vLLM's classes restored (0 or 1). transformers' classes, the
+    encoder included, go back with ``revert_fused_vision_gemma4()``."""
     return patching.revert(None, _is_vllm_class)
 
 
@@ -198,12 +235,19 @@ def vllm_plugin() -> None:
     """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
     process it starts, its model workers included, where a patch made in the launching script does not
     reach. Opt-in: only with FUSED_VISION_VLLM=1 does it patch transformers' Gemma 4 classes, then vLLM's
-    Gemma 4 model. It never raises: vLLM runs its plugins unguarded, so an error would stop the process."""
+    Gemma 4 model with FUSED_VISION_VLLM_ENCODER's encoder (stock when unset). It never raises: vLLM runs
+    its plugins unguarded, so an error would stop the process."""
     if os.environ.get(ENV_VLLM) != "1":
         return
+    encoder = os.environ.get(ENV_VLLM_ENCODER) or "stock"
+    if encoder not in gemma4.ENCODERS:
+        logger.warning(
+            "fused_vision: %s=%r is none of %s: the encoder stays stock", ENV_VLLM_ENCODER, encoder, gemma4.ENCODERS
+        )
+        encoder = "stock"
     for what, apply in (
         ("Gemma 4", gemma4.apply_fused_vision_to_gemma4),
-        ("vLLM's Gemma 4", apply_fused_vision_to_vllm_gemma4),
+        ("vLLM's Gemma 4", functools.partial(apply_fused_vision_to_vllm_gemma4, encoder=encoder)),
     ):
         try:
             apply()

@@ -95,7 +95,8 @@ def test_the_patched_tower_forward_returns_stock_outputs(monkeypatch, kind, fuse
     pixels, ids = make_inputs(GRIDS + [(2, 2)], SEQ_LEN, seed=9)
     stock = tower(pixel_values=pixels, pixel_position_ids=ids)
     keywords = {} if fused_ops_too else dict(embedder=None, pooler=False)
-    assert apply_fused_vision_to_gemma4(tower, encoder="packed", **keywords) == (3 if fused_ops_too else 1)
+    # the tower and its encoder, and the embedder and pooler with the fused ops
+    assert apply_fused_vision_to_gemma4(tower, encoder="packed", **keywords) == (4 if fused_ops_too else 2)
     assert "packed_encoder(backend=auto)" in fused_ops(tower)
     calls, varlen = [], attention.varlen_attention
     monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(a[4]) or varlen(*a, **k))
@@ -121,7 +122,7 @@ def test_the_class_patch_reaches_get_image_features(monkeypatch):
     pixels, ids = pixels.cpu(), ids.cpu()
     with torch.no_grad():
         stock = model.model.get_image_features(pixels, ids).pooler_output
-        assert apply_fused_vision_to_gemma4(encoder="packed") == 3
+        assert apply_fused_vision_to_gemma4(encoder="packed") == 4
         calls, varlen = [], attention.varlen_attention
         monkeypatch.setattr(attention, "varlen_attention", lambda *a, **k: calls.append(1) or varlen(*a, **k))
         got = model.model.get_image_features(pixels, ids).pooler_output

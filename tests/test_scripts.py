@@ -183,7 +183,7 @@ def test_pytest_shards_refuse_a_bad_shard(tmp_path):
     assert "--shard: expected I/N with 0 <= I < N, got '2/2'" in result.stderr, result.stderr
 
 
-GPU_RUN_STEPS = ("gpu_tests", "bench", "planner_check", "kernel_tests")
+GPU_RUN_STEPS = ("gpu_tests", "bench", "planner_check", "kernel_tests", "vllm_encoder")
 GPU_RUN_DEFAULT_STEPS = ("gpu_tests", "bench")  # what a call naming no steps runs
 BENCH_FILES = ["log.txt", "low_memory.csv", "results.csv", "results.md", "time.png"]
 BENCH_FILES += ["memory.png"] if DEVICE.type == "cuda" else []  # peaks are measured on CUDA only
@@ -233,7 +233,7 @@ def test_gpu_run_kernel_tests_exist():
 
 def test_gpu_run_dry_run(tmp_path):
     """bench/gpu_run.sh end to end at toy sizes, in its two calls: with no steps named the install, the GPU
-    tests and the bench; then the other two steps, into a folder of their own (named by GPU_RUN_OUT this
+    tests and the bench; then the other steps, into a folder of their own (named by GPU_RUN_OUT this
     time). Each keeps the folder to a few files: the bench's, the log, and an archive of the rest."""
     first, second = tmp_path / "first", tmp_path / "second"
     assert_ran(gpu_run_log(first, 0, "--out", str(first)), GPU_RUN_DEFAULT_STEPS)
@@ -243,7 +243,7 @@ def test_gpu_run_dry_run(tmp_path):
     assert_ran(gpu_run_log(second, 0, *rest, GPU_RUN_OUT=str(second)), rest)
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "gpu_run.log"]
     shards = {f"kernel_tests/shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
-    assert archived(second) == {"planner_check.json", "planner_check.csv", *shards}
+    assert archived(second) == {"planner_check.json", "planner_check.csv", *shards, "vllm_encoder.md"}
 
 
 def test_gpu_run_refuses_an_unknown_step_or_option(tmp_path):

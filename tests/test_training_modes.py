@@ -40,8 +40,8 @@ FUSED_CALLS = {
     "train": (2, 2),
     "checkpointing": (2, 4),
     "reentrant_checkpointing": (2, 4),
-    "adapter": (1, 1),
-    "adapter_reentrant_checkpointing_input_grads": (1, 2),
+    "adapter": (2, 2),
+    "adapter_reentrant_checkpointing_input_grads": (2, 4),
     "compile": (2, 2),
 }
 

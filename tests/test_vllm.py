@@ -1,8 +1,7 @@
-"""fused_vision.vllm against vLLM 0.33's own Gemma 4 model, built by vLLM from tiny random configs on the CPU.
+"""fused_vision.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
 
-The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own (it brings
-its torch and transformers: `pip install vllm==0.33.0`; `bash .ci/run tests_vllm` builds one) and skips
-without it. Nothing is downloaded: each model's config is saved to a temporary directory vLLM reads.
+The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own
+(tests/vllm_models.py; `bash .ci/run tests_vllm` builds one per release) and skips without it.
 """
 
 import importlib
@@ -26,21 +25,27 @@ from fused_vision import (
 from fused_vision.bench.tower import LOW_MEMORY_TOWER, VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
 
-from conftest import assert_bit_identical, assert_close, dtype_id
-from gemma4_towers import gemma4_config, modeling, out_of_memory_above, randomize, vision_config
-from op_cases import ULP, grid_ids
+from conftest import assert_bit_identical, assert_close
+from gemma4_towers import modeling, out_of_memory_above
+from op_cases import ULP
+from vllm_models import (  # noqa: F401 (the fixtures)
+    GiB,
+    build_vllm_model,
+    gemma4_mm,
+    image_input,
+    memory,
+    model_class,
+    needs_vllm,
+    run,
+    tiny_model,
+    video_input,
+    vision_input,
+    vllm_process,
+)
 
-try:
-    gemma4_mm = importlib.import_module(fv.VLLM_MODULE)
-    VLLM_MISSING = ""
-except ImportError as exc:
-    gemma4_mm = None
-    VLLM_MISSING = f"vLLM's Gemma 4 is not importable ({exc}): pip install vllm==0.33.0, in an environment of its own"
-needs_vllm = pytest.mark.skipif(gemma4_mm is None, reason=VLLM_MISSING)
-
-GiB = 2**30
 FRAME, IMAGE = 630, 2520  # patches per video frame (70 soft tokens) and per image (280), pooling kernel 3
-PATCHED = ("_encoder_chunk", "_process_image_input", "_process_video_input")
+# the chunk and the guarded encoding calls: 0.34's _local halves, 0.33's whole calls
+PATCHED = tuple(fv._methods(model_class())) if gemma4_mm is not None else ()
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +55,9 @@ def stock_after_each_test():
     revert_fused_vision_gemma4()
 
 
-def model_class():
-    return gemma4_mm.Gemma4ForConditionalGeneration
+def guarded(method: str) -> str:
+    """The method the out-of-memory guard wraps for vLLM's ``method``: 0.34's ``_local`` half, else itself."""
+    return f"{method}_local" if hasattr(model_class(), f"{method}_local") else method
 
 
 def stock_methods() -> dict:
@@ -109,11 +115,48 @@ def test_the_plugin_warns_and_never_raises(monkeypatch, caplog):
     assert "FUSED_VISION_VLLM=1 but Gemma 4 cannot be patched here" in caplog.text
     assert "FUSED_VISION_VLLM=1 but vLLM's Gemma 4 cannot be patched here" in caplog.text
 
-    monkeypatch.setattr(fv, "apply_fused_vision_to_vllm_gemma4", lambda: 1 / 0)  # no ImportError: still caught
+    monkeypatch.setattr(
+        fv, "apply_fused_vision_to_vllm_gemma4", lambda **keywords: 1 / 0
+    )  # no ImportError: still caught
     caplog.clear()
     with caplog.at_level("WARNING", logger="fused_vision"):
         fv.vllm_plugin()
     assert "vLLM's Gemma 4 cannot be patched here (division by zero)" in caplog.text
+
+
+@pytest.mark.parametrize("choice, encoder", [(None, None), ("", None), ("packed", "packed"), ("fused", "fused")])
+def test_the_plugin_patches_the_encoder_it_is_told_to(monkeypatch, caplog, choice, encoder):
+    from fused_vision.encoder import encoder_forward
+
+    monkeypatch.setenv(fv.ENV_VLLM, "1")
+    if choice is None:
+        monkeypatch.delenv(fv.ENV_VLLM_ENCODER, raising=False)
+    else:
+        monkeypatch.setenv(fv.ENV_VLLM_ENCODER, choice)
+    with caplog.at_level("WARNING", logger="fused_vision"):
+        fv.vllm_plugin()
+    patched = vars(modeling.Gemma4VisionEncoder).get("forward") is encoder_forward
+    state = getattr(modeling.Gemma4VisionEncoder, "_fused_vision", None)
+    if gemma4_mm is None:  # the encoder is patched for vLLM's towers only
+        assert not patched and state is None
+        return
+    assert patched == (encoder is not None) and (state is None or state.op == f"{encoder}_encoder")
+    assert vllm_is_patched()
+    assert not [record for record in caplog.records if record.name == "fused_vision"]
+
+
+def test_an_unknown_encoder_choice_warns_and_stays_stock(monkeypatch, caplog):
+    monkeypatch.setenv(fv.ENV_VLLM, "1")
+    monkeypatch.setenv(fv.ENV_VLLM_ENCODER, "fastest")
+    with caplog.at_level("WARNING", logger="fused_vision"):
+        fv.vllm_plugin()
+    assert "FUSED_VISION_VLLM_ENCODER='fastest' is none of ('stock', 'packed', 'fused')" in caplog.text
+    assert "forward" not in vars(modeling.Gemma4VisionEncoder) or not hasattr(
+        modeling.Gemma4VisionEncoder, "_fused_vision"
+    )
+    assert transformers_is_patched()
+    with pytest.raises(ValueError, match="encoder: expected one of"):
+        apply_fused_vision_to_vllm_gemma4(encoder="fastest")
 
 
 @needs_vllm
@@ -145,52 +188,6 @@ def test_vllms_plugin_loader_patches_only_when_asked(monkeypatch, variable, allo
 
 
 @pytest.fixture(scope="module")
-def vllm_process(tmp_path_factory):
-    """What vLLM's constructors need in a CPU-only process: a one-process group (its ReplicatedLinear asks for
-    one), and an attention backend for the language model's layers, which this platform names none of."""
-    from vllm.config import DeviceConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state
-    from vllm.platforms import current_platform
-
-    with pytest.MonkeyPatch.context() as patch, set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
-        cpu_attention = "vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend"
-        patch.setattr(current_platform, "get_attn_backend_cls", lambda *args, **kwargs: cpu_attention)
-        rendezvous = f"file://{tmp_path_factory.mktemp('gloo')}/rendezvous"
-        parallel_state.init_distributed_environment(1, 0, rendezvous, 0, backend="gloo")
-        parallel_state.ensure_model_parallel_initialized(1, 1)
-        yield
-        parallel_state.destroy_model_parallel()
-        parallel_state.destroy_distributed_environment()
-
-
-def build_vllm_model(directory, vision, dtype, device="cpu"):
-    """vLLM's ``Gemma4ForConditionalGeneration`` from a tiny Gemma 4 config with ``vision`` as its tower."""
-    from vllm.config import DeviceConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-    from vllm.utils.torch_utils import set_default_torch_dtype
-
-    config = gemma4_config(vision)
-    config.architectures = ["Gemma4ForConditionalGeneration"]
-    config.save_pretrained(directory)
-    model_config = ModelConfig(model=str(directory), skip_tokenizer_init=True, dtype=dtype)
-    vllm_config = VllmConfig(model_config=model_config, device_config=DeviceConfig("cpu"))
-    # As vLLM's model loader builds it, without the weights it would load next.
-    with set_current_vllm_config(vllm_config), set_default_torch_dtype(dtype), torch.device(device):
-        model = initialize_model(vllm_config=vllm_config)
-    assert type(model) is model_class()
-    return model.eval()
-
-
-@pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=dtype_id)
-def tiny_model(request, vllm_process, tmp_path_factory):
-    """A tiny model with fresh random weights (vLLM leaves the tower as torch.empty made it)."""
-    model = build_vllm_model(tmp_path_factory.mktemp("tiny"), vision_config(standardize=True), request.param)
-    randomize(model.vision_tower, seed=5)
-    randomize(model.embed_vision, seed=6)
-    return model
-
-
-@pytest.fixture(scope="module")
 def target_model(vllm_process, tmp_path_factory):
     """The 26B/31B checkpoints' tower in bf16 with sdpa, on the meta device: only its shapes are read."""
     tower = dict(
@@ -201,17 +198,6 @@ def target_model(vllm_process, tmp_path_factory):
     )
     vision = modeling.Gemma4VisionConfig(**tower)
     return build_vllm_model(tmp_path_factory.mktemp("target"), vision, torch.bfloat16, device="meta")
-
-
-@pytest.fixture
-def memory(monkeypatch):
-    """Sets the (free, total) bytes vLLM's loops read: torch.accelerator.get_memory_info raises without a driver."""
-
-    def set_memory(free, total):
-        monkeypatch.setattr(torch.accelerator, "get_memory_info", lambda *args: (free, total))
-
-    set_memory(100 * GiB, 139 * GiB)
-    return set_memory
 
 
 def patch_both():
@@ -314,63 +300,8 @@ def test_models_that_copy_the_methods_in_their_class_bodies_keep_vllms(monkeypat
     monkeypatch.delitem(sys.modules, module, raising=False)  # its class body runs now, under the patch
     copies = vars(getattr(importlib.import_module(module), name))
     assert copies["_encoder_chunk"].__func__ is STOCK["_encoder_chunk"].__func__
-    assert copies["_process_image_input"] is STOCK["_process_image_input"]
-    assert copies["_process_video_input"] is STOCK["_process_video_input"]
-
-
-# ---- inputs as vLLM's processors hand them ----------------------------------------------------------------
-
-
-def items(grids, patches, seed):
-    """Random pixels on each grid's patches, zero on the padding (as the processor pads), and their ids."""
-    generator = torch.Generator().manual_seed(seed)
-    ids = [grid_ids(w, h, patches) for w, h in grids]
-    pixels = [
-        torch.rand(patches, 3 * 2**2, generator=generator).masked_fill((i == -1).all(-1, keepdim=True), 0) for i in ids
-    ]
-    return pixels, ids
-
-
-def image_input(model, seed):
-    """Images of two resolution buckets, interleaved: the first (16 patches) holds 2, the second (64) 3."""
-    small, big = items([(4, 4), (2, 6)], 16, seed), items([(8, 6), (4, 10), (6, 2)], 64, seed + 1)
-    order = [(small, 0), (big, 0), (small, 1), (big, 1), (big, 2)]
-    pixels, ids = [source[0][i] for source, i in order], [source[1][i] for source, i in order]
-    return model._parse_and_validate_image_input(pixel_values=pixels, pixel_position_ids=ids)
-
-
-def video_input(model, frame_counts, patches, seed):
-    grids = [[(8, 6), (4, 10), (6, 2)][i % 3] for i in range(sum(frame_counts))]
-    pixels, ids = items(grids, patches, seed)
-    return model._parse_and_validate_video_input(
-        pixel_values_videos=torch.stack(pixels),
-        pixel_position_ids_videos=torch.stack(ids),
-        video_frame_counts=torch.tensor(frame_counts),
-    )
-
-
-def vision_input(model, method, seed):
-    """What ``method`` takes: the images above, or two videos of 2 and 3 frames of 64 patches."""
-    return image_input(model, seed) if method == "_process_image_input" else video_input(model, [2, 3], 64, seed)
-
-
-def run(model, method, inputs):
-    """vLLM's ``method`` on ``inputs``: what its patch embedder returned, what its projection was handed
-    (the pooled, standardized soft tokens) and its embeddings."""
-    embedded, pooled = [], []
-    hooks = [
-        model.vision_tower.patch_embedder.register_forward_hook(lambda module, args, out: embedded.append(out)),
-        model.embed_vision.register_forward_pre_hook(
-            lambda module, args, kwargs: pooled.append(kwargs["inputs_embeds"]), with_kwargs=True
-        ),
-    ]
-    try:
-        with torch.no_grad():
-            embeddings = getattr(model, method)(inputs)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return embedded, pooled, embeddings
+    copied = [name for name in PATCHED[1:] if name in copies]
+    assert copied and all(copies[name] is STOCK[name] for name in copied)
 
 
 # ---- numerics: vLLM's image and video paths, stock and patched ---------------------------------------------
@@ -399,7 +330,9 @@ def test_vllms_embeddings_match_stock_without_a_one_hot(tiny_model, memory, monk
     )
     embedded, pooled, fused = run(tiny_model, method, inputs)
     chunks = 2 if method == "_process_image_input" else 1  # the image buckets; all frames at once
-    assert len(embedded) == len(stock_embedded) == len(lookups) == chunks, "each chunk's lookup is fused"
+    assert len(lookups) == chunks, "each chunk's lookup is fused"
+    # 0.33 calls the embedder's forward; 0.34 inlines it and calls its _position_embeddings alone
+    assert len(embedded) == len(stock_embedded) == (0 if hasattr(model_class(), "_embed_patches") else chunks)
     for got, expected in zip(embedded, stock_embedded, strict=True):
         assert_bit_identical(got, expected, "patch embedder")
     assert_within_one_rounding(pooled[0], stock_pooled[0], "pooled soft tokens")
@@ -435,7 +368,7 @@ def test_a_call_that_runs_out_of_memory_runs_again_at_half_the_chunk(
     inputs = vision_input(tiny_model, method, seed=12)
     *_, unconstrained = run(tiny_model, method, inputs)
     called = out_of_memory_above(monkeypatch, tiny_model.vision_tower.encoder, limit)
-    with pytest.warns(RuntimeWarning, match=f"vLLM's {method} ran out of memory {message}$"):
+    with pytest.warns(RuntimeWarning, match=f"vLLM's {guarded(method)} ran out of memory {message}$"):
         *_, got = run(tiny_model, method, inputs)
     assert called == sizes
     assert len(got) == len(unconstrained)
@@ -472,18 +405,21 @@ def test_under_mm_lora_there_is_no_chunk_to_halve(tiny_model, memory, monkeypatc
 
 @needs_vllm
 def test_a_vllm_without_a_method_is_patched_where_it_can_be(target_model, monkeypatch):
-    monkeypatch.delattr(model_class(), "_process_video_input")
+    video = guarded("_process_video_input")
+    monkeypatch.delattr(model_class(), video)
+    if video != "_process_video_input":  # 0.34: without the _local half, the whole call is guarded
+        monkeypatch.delattr(model_class(), "_process_video_input")
     with pytest.warns(RuntimeWarning, match="has no _process_video_input: no out-of-memory guard there"):
         assert apply_fused_vision_to_vllm_gemma4() == 2
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert apply_fused_vision_to_vllm_gemma4() == 2, "again: the same patch, and no second warning"
     assert target_model._encoder_chunk(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 16
-    assert "_process_video_input" not in vars(model_class())
+    assert video not in vars(model_class())
     assert revert_fused_vision_vllm_gemma4() == 1
     assert all(vars(model_class())[name] is STOCK[name] for name in PATCHED[:2])
 
     monkeypatch.delattr(model_class(), "_encoder_chunk")
     with pytest.warns(RuntimeWarning, match="has no _encoder_chunk: its chunks stay vLLM's"):
         assert apply_fused_vision_to_vllm_gemma4() == 0
-    assert vars(model_class())["_process_image_input"] is STOCK["_process_image_input"]
+    assert vars(model_class())[PATCHED[1]] is STOCK[PATCHED[1]]
