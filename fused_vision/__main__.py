@@ -60,7 +60,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def _device(text: str) -> torch.device:
-    device = torch.device(text)
+    try:
+        device = torch.device(text)
+    except RuntimeError:  # a device type this torch does not know
+        raise argparse.ArgumentTypeError(f"{text!r}: the bench runs on cuda or cpu") from None
     if device.type not in ("cuda", "cpu"):
         raise argparse.ArgumentTypeError(f"{text!r}: the bench runs on cuda or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -80,6 +83,7 @@ def _parser() -> argparse.ArgumentParser:
         "embedding providers and the layer ops' stock at small cases, and the E2B/E4B encoder's stock, padded, "
         "packed and fused calls at one layer, in fp32.",
     )
+    bench.set_defaults(command_parser=bench)
     bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
     bench.add_argument(
         "--ops",
@@ -123,7 +127,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unrecognized = parser.parse_known_args(argv)
+    if unrecognized:  # the command's own usage, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unrecognized)}")
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or Path("fused_vision_bench") / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{device.type}"
     try:

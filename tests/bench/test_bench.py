@@ -236,6 +236,7 @@ def test_bad_arguments_are_usage_errors(capsys):
         ("--ops", ""): "'': expected at least one of",
         ("--cases", "image_8"): "image_<items>x<soft tokens>",
         ("--device", "meta"): "'meta': the bench runs on cuda or cpu",
+        ("--device", "tpu"): "'tpu': the bench runs on cuda or cpu",  # a device type torch does not know
         ("--hidden", "0"): "'0': expected comma-separated positive integers",
         ("--hidden", "768,-8"): "'768,-8': expected comma-separated positive integers",
         ("--time-budget", "-1"): "'-1': expected a number of seconds, 0 or more",
@@ -249,6 +250,23 @@ def test_bad_arguments_are_usage_errors(capsys):
             main(["bench", *args])
         assert exit_info.value.code == 2
         assert message in capsys.readouterr().err, args
+
+
+def test_an_unknown_option_prints_the_bench_usage(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "--bogus"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: fused-vision bench [-h] [--device DEVICE]"), err
+    assert "fused-vision bench: error: unrecognized arguments: --bogus" in err
+
+
+def test_an_unknown_device_type_is_a_usage_error_not_a_traceback():
+    result = subprocess.run(
+        [sys.executable, "-m", "fused_vision", "bench", "--device", "tpu"], capture_output=True, text=True
+    )
+    assert result.returncode == 2 and "'tpu': the bench runs on cuda or cpu" in result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_module_entry_point():
