@@ -14,9 +14,10 @@ padded providers execute more, so a rate compares how fast each turns the same w
 Mixes come from transformers' ``Gemma4ImageProcessorPil`` (patch size 16, pooling 3) on synthetic random
 images: ``image_mix_<n>x<L>`` cycles ``ASPECT_RATIOS``, ``video_<n>x<L>`` is n frames of one 16:9 video,
 which share one grid. Repetitions interleave (each one calls every provider once), so a load that drifts
-during the run (other processes, clocks, heat) reaches every provider alike. No first call starts that would
-end past the run's time budget were it as long as the longest before it, and no round that would, were it
-as long as the last (the first: the first calls). On a CPU the towers run one layer: each layer costs the same, so
+during the run (other processes, clocks, heat) reaches every provider alike. Within the run's time budget, a
+first call starts only if it, the first calls left and one round fit, each call as long as the longest first
+call so far (else the mix is a skip), and a round only if one as long as the last fits (the first: the first
+calls together). On a CPU the towers run one layer: each layer costs the same, so
 the ratios hold up to the embedder's and pooler's share of a call.
 """
 
@@ -217,11 +218,13 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
     calls: dict[str, object] = {}
     measured: dict[str, tuple[Peak, int, float]] = {}
     first: tuple[str, torch.Tensor] | None = None
-    for provider in providers:
-        last_first_call_s = max((first_call_s for _, _, first_call_s in measured.values()), default=0.0)
-        if session.out_of_time(ahead_s=last_first_call_s):
-            session.skip(op, provider, mix, fields["D"], session.time_budget_reason())
-            continue
+    for index, provider in enumerate(providers):
+        longest = max((first_call_s for _, _, first_call_s in measured.values()), default=0.0)
+        # This first call, the others left and one round, each call as long as the longest first call so far.
+        if session.out_of_time(ahead_s=longest * (2 * len(providers) - index)):
+            for skipped in providers:
+                session.skip(op, skipped, mix, fields["D"], session.time_budget_reason())
+            return
         failure = None
         try:
             call = provider_call(provider, towers, pixels, ids)

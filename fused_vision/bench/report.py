@@ -365,7 +365,14 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
     ]
     if session.interrupted:
         lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
-    lines += ["### summary", "", summary[0] + ":", "", *(f"- {line}" for line in summary[1:]), ""]
+    lines += [
+        "### summary",
+        "",
+        summary[0].removeprefix("summary: ") + ":",
+        "",
+        *(f"- {line}" for line in summary[1:]),
+        "",
+    ]
     encoder_rows = [row for row in rows if row["op"] in ENCODER_TOWERS]
     op_rows = [row for row in rows if row["op"] not in (*ENCODER_TOWERS, *CEILING_OPS)]
     lines += goal_lines(rows)

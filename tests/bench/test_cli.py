@@ -72,7 +72,7 @@ def test_the_header_never_lists_nothing(tmp_path, device):
 def test_the_cpu_header_names_each_section_it_runs(tmp_path):
     assert header_lines(tmp_path, "cpu") == [
         "position_embeddings, patch_embed, pool_by_positions: onehot, embedding, reference at image_1x280, D 1152",
-        "encoder_e2b_e4b: stock, packed, fused at image_mix_7x280",
+        "encoder_e2b_e4b: stock, packed, fused at image_mix_7x140",
         "low_memory: vLLM's and the planner's chunks, computed (running them needs CUDA)",
     ]
 
