@@ -60,7 +60,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 
 def _device(text: str) -> torch.device:
-    device = torch.device(text)
+    try:
+        device = torch.device(text)
+    except RuntimeError:  # a device type this torch does not know
+        raise argparse.ArgumentTypeError(f"{text!r}: the bench runs on cuda or cpu") from None
     if device.type not in ("cuda", "cpu"):
         raise argparse.ArgumentTypeError(f"{text!r}: the bench runs on cuda or cpu")
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -74,12 +77,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = commands.add_parser(
         "bench",
         help="benchmark fused_vision against the one-hot and its peers on this device",
-        description="Benchmark fused_vision against the one-hot and its peers. Writes results.csv, "
-        "low_memory.csv, results.md, time.png, memory.png (where peaks were measured) and log.txt to --out. "
-        "Defaults: on a GPU, everything at the checkpoints' shapes in bf16; on a CPU, the stem ops' onehot and "
-        "embedding providers and the layer ops' stock at small cases, and the E2B/E4B encoder's stock, padded, "
-        "packed and fused calls at one layer, in fp32.",
+        description="Benchmark fused_vision against the one-hot and its peers, and end with a plain summary. "
+        "Writes results.csv, low_memory.csv (where the scenario has rows), results.md, time.png, memory.png "
+        "(where peaks were measured) and log.txt to --out. Defaults: on a GPU, everything at the checkpoints' "
+        "shapes in bf16; on a CPU, fused_vision's PyTorch path (reference) against stock's one-hot and "
+        "F.embedding on the stem at one image, the E2B/E4B encoder's stock, packed and fused calls at one "
+        "layer, in fp32, and the planner's chunks for the low-memory scenario, computed.",
     )
+    bench.set_defaults(command_parser=bench)
     bench.add_argument("--device", type=_device, help="cuda or cpu (default: cuda when available)")
     bench.add_argument(
         "--ops",
@@ -110,20 +115,26 @@ def _parser() -> argparse.ArgumentParser:
         help="tiny shapes and one-layer towers, to check that the bench runs (with the device's default ops "
         "and providers unless --ops or --providers say otherwise)",
     )
+    defaults = ", ".join(
+        f"{seconds:g} on a {'GPU' if device == 'cuda' else 'CPU'}" for device, seconds in DEFAULT_TIME_BUDGET_S.items()
+    )
     bench.add_argument(
         "--time-budget",
         type=_seconds,
-        default=DEFAULT_TIME_BUDGET_S,
         metavar="SECONDS",
-        help="start nothing new this long after the start; compiled providers run last, so they go first "
-        f"(default {DEFAULT_TIME_BUDGET_S:g}; 0: no limit)",
+        help="cap the run: nothing starts that a like call's last duration says would end this long after the "
+        "start, so only a first call, whose length nothing predicts, ends later; compiled providers run last, "
+        "so they go first "
+        f"(default {defaults}; 0: no limit)",
     )
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
-    args = parser.parse_args(argv)
+    args, unrecognized = parser.parse_known_args(argv)
+    if unrecognized:  # the command's own usage, not the top level's
+        args.command_parser.error(f"unrecognized arguments: {' '.join(unrecognized)}")
     device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     out = args.out or Path("fused_vision_bench") / f"{datetime.now(timezone.utc):%Y%m%d-%H%M%S}-{device.type}"
     try:
@@ -142,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         dtype=DTYPES.get(args.dtype),
         quick=args.quick,
         tiny=args.tiny,
-        time_budget_s=args.time_budget or None,
+        time_budget_s=args.time_budget,
         command=command,
     )
     try:

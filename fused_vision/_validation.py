@@ -122,7 +122,13 @@ def check_patch_embed_inputs(
         )
     batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
     check_tensor("pixel_values", pixel_values, 3, FLOAT_DTYPES)
-    check_shape("pixel_values", pixel_values, (batch, seq_len, features), "(B, N, weight.shape[1])")
+    check_shape("pixel_values", pixel_values, (batch, seq_len, pixel_values.shape[2]), "(B, N, K) like position_ids")
+    # The pixels' width is the processor's (3 * patch_size**2); a weight of another width is the weight's fault.
+    if features != pixel_values.shape[2]:
+        raise ValueError(
+            f"weight: expected shape (D, K) with K = pixel_values.shape[2] = {pixel_values.shape[2]}, "
+            f"got {tuple(weight.shape)}"
+        )
     check_same_device(
         pixel_values=pixel_values,
         weight=weight,

@@ -14,8 +14,11 @@ padded providers execute more, so a rate compares how fast each turns the same w
 Mixes come from transformers' ``Gemma4ImageProcessorPil`` (patch size 16, pooling 3) on synthetic random
 images: ``image_mix_<n>x<L>`` cycles ``ASPECT_RATIOS``, ``video_<n>x<L>`` is n frames of one 16:9 video,
 which share one grid. Repetitions interleave (each one calls every provider once), so a load that drifts
-during the run (other processes, clocks, heat) reaches every provider alike. On a CPU the towers run one
-layer: each layer costs the same, so the ratios hold up to the embedder's and pooler's share of a call.
+during the run (other processes, clocks, heat) reaches every provider alike. Within the run's time budget, a
+first call starts only if it, the first calls left and one round fit, each call as long as the longest first
+call so far (else the mix is a skip), and a round only if one as long as the last fits (the first: the first
+calls together). On a CPU the towers run one layer: each layer costs the same, so
+the ratios hold up to the embedder's and pooler's share of a call.
 """
 
 import copy
@@ -212,18 +215,23 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
     """Each provider's untimed first calls (a warm-up on a GPU, then its peak), then the interleaved repetitions;
     ``flops``, the call's useful FLOPs, give every provider's FLOP rate."""
     device = session.options.device
-    existing = [t for model in towers.values() for t in (*model.parameters(), *model.buffers())] + [pixels, ids]
     calls: dict[str, object] = {}
     measured: dict[str, tuple[Peak, int, float]] = {}
     first: tuple[str, torch.Tensor] | None = None
-    for provider in providers:
+    for index, provider in enumerate(providers):
+        longest = max((first_call_s for _, _, first_call_s in measured.values()), default=0.0)
+        # This first call, the others left and one round, each call as long as the longest first call so far.
+        if session.out_of_time(ahead_s=longest * (2 * len(providers) - index)):
+            for skipped in providers:
+                session.skip(op, skipped, mix, fields["D"], session.time_budget_reason())
+            return
         failure = None
         try:
             call = provider_call(provider, towers, pixels, ids)
             start = time.perf_counter()
             if device.type == "cuda":  # compiles and cuBLAS's workspace stay out of the peak
                 call()
-            peak, output = call_peak(call, device, existing)  # on a CPU, the first call warms up too
+            peak, output = call_peak(call, device)  # on a CPU, the first call warms up too
             synchronize(device)
             first_call_s = time.perf_counter() - start
         except Exception as exc:  # an out-of-memory error, a compile this stack fails: a logged skip
@@ -241,10 +249,14 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
         del output
     if not calls:
         return
+    if session.out_of_time(ahead_s=sum(first_call_s for _, _, first_call_s in measured.values())):
+        for provider in calls:  # a first round as long as the first calls would end past the budget
+            session.skip(op, provider, mix, fields["D"], session.time_budget_reason())
+        return
     reps = (QUICK_REPS if session.options.quick else REPS)[device.type]
     failure = None
     try:
-        times = interleaved_times(calls, device, reps)
+        times = interleaved_times(calls, device, reps, session.deadline)
     except Exception as exc:  # one provider's failure stops the rounds of all: none has its reps
         failure = exc
     if failure is not None:
@@ -255,8 +267,7 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
     for provider, (peak, output_bytes, first_call_s) in measured.items():
         ms = times[provider]
         row = dict(op=op, provider=provider, case=mix.name, B=items, N=ids.shape[1], dtype=session.dtype_name)
-        row |= fields | dict(ms_p50=ms.p50, ms_p20=ms.p20, ms_p80=ms.p80)
+        row |= fields | dict(ms_p50=ms.p50, ms_p20=ms.p20, ms_p80=ms.p80, reps=ms.reps, timing="speed")
         row |= dict(peak_bytes=peak.allocated, peak_requested_bytes=peak.requested, output_bytes=output_bytes)
-        tflops = flops / ms.p50 / 1e9
-        row |= dict(tflops=tflops, pct_of_matmul=100 * tflops / session.matmul.tflops)
+        row |= session.rates(ms.p50, 0, flops, floor=False)  # the tables judge a share of matmul, not a floor
         session.record(row | dict(items_per_s=items / ms.p50 * 1e3), first_call_s)

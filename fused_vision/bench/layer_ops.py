@@ -4,8 +4,9 @@ Each op runs on T tokens, the case's real patches with the padding dropped, as t
 (19,872 at image_8x280), at the shape of the tower of the run's width D: 1152 the 26B/31B tower's (16 heads
 of 72, intermediate 4304), 768 the E2B/E4B tower's (with its clipped linears' clamps), 64 --tiny's.
 
-Providers: ``stock``, the eager PyTorch formulation of stock's modules (``fused_vision.reference``); ``fused``,
-the public op with the Triton backend; ``fused_kernel``, its Triton launcher alone. Byte models count each
+Providers: ``stock``, the eager PyTorch formulation of stock's modules (``fused_vision.reference``);
+``reference``, the public op with its PyTorch backend (stock's formulation behind the op's input checks);
+``fused``, the public op with the Triton backend; ``fused_kernel``, its Triton launcher alone. Byte models count each
 input read once and each output written once, so GB/s over the copy ceiling says how near an op is to the
 memory bound that all three are held to.
 """
@@ -59,7 +60,7 @@ def gelu_gate_bytes(tokens: int, shape: dict, dtype: torch.dtype) -> int:
 class LayerBench(StemBench):
     """One layer op on the case's packed tokens at the tower's shape of width ``hidden``."""
 
-    providers = ("stock", "fused", "fused_kernel")
+    providers = ("stock", "reference", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -93,6 +94,9 @@ class QkvNormRope(LayerBench):
     def stock(self):
         return partial(reference.qkv_norm_rope, *self.args, **self.kwargs)
 
+    def reference(self):
+        return partial(fused_vision.qkv_norm_rope, *self.args, **self.kwargs, backend="reference")
+
     def fused(self):
         return partial(fused_vision.qkv_norm_rope, *self.args, **self.kwargs, backend="triton")
 
@@ -117,6 +121,9 @@ class ResidualRmsNorm(LayerBench):
     def stock(self):
         return partial(reference.residual_rms_norm, *self.args, 1e-6)
 
+    def reference(self):
+        return partial(fused_vision.residual_rms_norm, *self.args, eps=1e-6, backend="reference")
+
     def fused(self):
         return partial(fused_vision.residual_rms_norm, *self.args, eps=1e-6, backend="triton")
 
@@ -136,6 +143,9 @@ class GeluGate(LayerBench):
 
     def stock(self):
         return partial(reference.gelu_gate, *self.args)
+
+    def reference(self):
+        return partial(fused_vision.gelu_gate, *self.args, backend="reference")
 
     def fused(self):
         return partial(fused_vision.gelu_gate, *self.args, backend="triton")

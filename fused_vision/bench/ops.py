@@ -1,10 +1,11 @@
 """The stem ops at one case: their providers, and the bytes and FLOPs each op must move at the least.
 
 Providers: ``onehot`` is transformers 5.5-5.9's code, ``embedding`` the 5.10+ code (two F.embedding),
-``compiled`` that code through ``torch.compile(dynamic=False)``, ``fused`` fused_vision's public op with
-the Triton backend, and ``fused_kernel`` its Triton launcher alone: none of the public op's input checks,
-so none of their device-to-host synchronisation (the lookup's id range, the pooler's slot overflow),
-which a call of a few microseconds cannot hide.
+``compiled`` that code through ``torch.compile(dynamic=False)``, ``reference`` fused_vision's public op with
+its PyTorch backend (what ``backend="auto"`` runs on a CPU), ``fused`` the public op with the Triton backend,
+and ``fused_kernel`` its Triton launcher alone: none of the public op's input checks, so none of their
+device-to-host synchronisation (the lookup's id range, the pooler's slot overflow), which a call of a few
+microseconds cannot hide.
 
 Byte models count each input read once and each output written once; a lookup reads only the table
 rows its ids name. They are the floor of the op, not what any provider moves: the one-hot reads the
@@ -113,7 +114,7 @@ class _TableBench(StemBench):
 
 class PositionEmbeddings(_TableBench):
     name = "position_embeddings"
-    providers = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
+    providers = ("onehot", "embedding", "compiled", "reference", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -129,6 +130,9 @@ class PositionEmbeddings(_TableBench):
     def compiled(self):
         return partial(compile_static(reference.position_embeddings), *self.args)
 
+    def reference(self):
+        return partial(fused_vision.position_embeddings, *self.args, backend="reference")
+
     def fused(self):
         return partial(fused_vision.position_embeddings, *self.args, backend="triton")
 
@@ -140,7 +144,7 @@ class PositionEmbeddings(_TableBench):
 
 class PatchEmbed(_TableBench):
     name = "patch_embed"
-    providers = ("onehot", "embedding", "compiled", "fused", "fused_kernel")
+    providers = ("onehot", "embedding", "compiled", "reference", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -158,6 +162,9 @@ class PatchEmbed(_TableBench):
     def compiled(self):
         return partial(compile_static(reference.patch_embed), *self.args)
 
+    def reference(self):
+        return partial(fused_vision.patch_embed, *self.args, backend="reference")
+
     def fused(self):
         return partial(fused_vision.patch_embed, *self.args, backend="triton")
 
@@ -171,7 +178,7 @@ class PoolByPositions(StemBench):
     """The pooler never had an F.embedding era: every release builds the (B, N, L) one-hot."""
 
     name = "pool_by_positions"
-    providers = ("onehot", "compiled", "fused", "fused_kernel")
+    providers = ("onehot", "compiled", "reference", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -184,6 +191,9 @@ class PoolByPositions(StemBench):
 
     def compiled(self):
         return partial(compile_static(reference.onehot_pool_by_positions), *self.args)
+
+    def reference(self):
+        return partial(fused_vision.pool_by_positions, *self.args, backend="reference")
 
     def fused(self):
         return partial(fused_vision.pool_by_positions, *self.args, backend="triton")
@@ -211,7 +221,7 @@ class PositionEmbeddingsBackward(_TableBench):
     """The table gradient of the lookup: a dense matmul into the table for the one-hot."""
 
     name = "position_embeddings_backward"
-    providers = ("onehot", "embedding", "fused")
+    providers = ("onehot", "embedding", "reference", "fused")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -227,6 +237,9 @@ class PositionEmbeddingsBackward(_TableBench):
     def embedding(self):
         return self._call(reference.position_embeddings)
 
+    def reference(self):
+        return self._call(partial(fused_vision.position_embeddings, backend="reference"))
+
     def fused(self):
         return self._call(partial(fused_vision.position_embeddings, backend="triton"))
 
@@ -235,7 +248,7 @@ class PatchEmbedBackward(_TableBench):
     """The gradients a fine-tune needs from the embedder: weight and table (the pixels need none)."""
 
     name = "patch_embed_backward"
-    providers = ("onehot", "embedding", "fused")
+    providers = ("onehot", "embedding", "reference", "fused")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -257,6 +270,9 @@ class PatchEmbedBackward(_TableBench):
     def embedding(self):
         return self._call(reference.patch_embed)
 
+    def reference(self):
+        return self._call(partial(fused_vision.patch_embed, backend="reference"))
+
     def fused(self):
         return self._call(partial(fused_vision.patch_embed, backend="triton"))
 
@@ -265,7 +281,7 @@ class PoolByPositionsBackward(StemBench):
     """The hidden states' gradient through the pooler."""
 
     name = "pool_by_positions_backward"
-    providers = ("onehot", "fused")
+    providers = ("onehot", "reference", "fused")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -281,6 +297,9 @@ class PoolByPositionsBackward(StemBench):
 
     def onehot(self):
         return self._call(reference.onehot_pool_by_positions)
+
+    def reference(self):
+        return self._call(partial(fused_vision.pool_by_positions, backend="reference"))
 
     def fused(self):
         return self._call(partial(fused_vision.pool_by_positions, backend="triton"))

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import torch
 
-from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS
+from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, Mix
 from .layer_ops import LAYER_OPS
 from .ops import STEM_OPS
 from .tower import LOW_MEMORY_PATHS, LOW_MEMORY_WORKLOADS, TOWER_PROVIDERS, VISION_TOWERS
@@ -24,17 +24,22 @@ ENCODER_OPS = tuple(ENCODER_TOWERS)
 OP_BENCHES = {**STEM_OPS, **LAYER_OPS}  # the ops timed one call at a time, at the stem cases
 OPS = (*OP_BENCHES, *TOWER_OPS, *ENCODER_OPS, "low_memory")
 OP_GROUPS = {"stem": tuple(STEM_OPS), "layer": tuple(LAYER_OPS), "tower": TOWER_OPS, "encoder": ENCODER_OPS}
-PROVIDERS = ("stock", "onehot", "embedding", "compiled", "fused", "fused_kernel", "padded", "packed")
-CPU_OPS = (*OP_BENCHES, "encoder_e2b_e4b")
-CPU_PROVIDERS = ("onehot", "embedding", "stock", "padded", "packed")
-# The encoder's fused provider runs the ops' PyTorch path on a CPU, a real measurement; the stem and layer ops'
-# fused providers run Triton, which a CPU runs only in its interpreter.
-CPU_ENCODER_PROVIDERS = (*CPU_PROVIDERS, "fused")
+PROVIDERS = ("stock", "onehot", "embedding", "compiled", "reference", "fused", "fused_kernel", "padded", "packed")
+GPU_PROVIDERS = tuple(p for p in PROVIDERS if p != "reference")  # a GPU runs fused_vision's Triton kernels
+# A CPU runs fused_vision as a CPU user gets it: the ops' PyTorch path (``reference``, what backend="auto" picks
+# there) against stock's one-hot and F.embedding code, on the forward stem ops (the layer ops' PyTorch path is
+# stock's own code); the packed and fused encoders (the fused one on the ops' PyTorch path) against stock's
+# tower; and the planner's chunks for the low-memory scenario, computed. Triton runs on a CPU only in its
+# interpreter, whose times mean nothing, so no Triton provider is a CPU default.
+CPU_OPS = ("position_embeddings", "patch_embed", "pool_by_positions", "encoder_e2b_e4b", "low_memory")
+CPU_PROVIDERS = ("onehot", "embedding", "reference")
+CPU_ENCODER_PROVIDERS = ("stock", "packed", "fused")
 DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, that of the baselines (bench/baselines.md)
 TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
-# The whole comparison must end within 5 minutes on an H200: this leaves ~90 s for start-up,
-# the task running at the deadline (a compile can take 20 s) and the reports.
-DEFAULT_TIME_BUDGET_S = 210.0
+# The whole comparison must end within 5 minutes on an H200: 210 s leaves ~90 s for start-up, the task running
+# at the deadline (a compile can take 20 s) and the reports. On a 2-core CPU within 3 minutes: 160 s leaves
+# ~20 s for start-up, the call in flight and the reports.
+DEFAULT_TIME_BUDGET_S = {"cuda": 210.0, "cpu": 160.0}
 
 
 @dataclass(frozen=True)
@@ -50,7 +55,7 @@ class Options:
     dtype: torch.dtype | None = None
     quick: bool = False
     tiny: bool = False
-    time_budget_s: float | None = DEFAULT_TIME_BUDGET_S
+    time_budget_s: float | None = None  # None: the device's default; 0: no limit
     command: str = ""
 
 
@@ -59,12 +64,12 @@ class Plan:
     """What a run does: the options, with the device's defaults where they leave a choice open.
 
     GPUs run everything at the checkpoints' shapes in bf16 (their dtype; pixels stay float32, as the
-    processors emit them). CPUs run the stem ops' one-hot and F.embedding code and the layer ops' stock code
-    at small cases, and the E2B/E4B encoder's stock, padded, packed and fused calls at one layer, in fp32:
-    compiles take minutes there,
-    Triton runs on a CPU only in its interpreter, whose times mean nothing, and a CPU without bf16 matmul
-    instructions emulates them (one bf16 one-hot lookup at video_2x70 took 15 s on a 2-core x86, 50x its
-    fp32 time). ``--tiny`` shrinks the towers and the stem ops' cases, not the encoder's processor mixes.
+    processors emit them). CPUs run fused_vision's PyTorch path against stock on the forward stem ops at one
+    image, the E2B/E4B encoder's stock, packed and fused calls at one layer, in fp32, and compute the
+    low-memory scenario's chunks: compiles take minutes there, Triton runs on a CPU only in its interpreter,
+    whose times mean nothing, and a CPU without bf16 matmul instructions emulates them (one bf16 one-hot
+    lookup at video_2x70 took 15 s on a 2-core x86, 50x its fp32 time). ``--tiny`` shrinks the towers and
+    the stem ops' cases, not the encoder's processor mixes. ``time_budget_s`` is 0 for no limit.
     """
 
     ops: tuple[str, ...]
@@ -75,19 +80,22 @@ class Plan:
     encoder_cases: tuple[Case, ...]
     hidden_sizes: tuple[int, ...]
     dtype: torch.dtype
+    time_budget_s: float
 
     @classmethod
     def of(cls, options: Options) -> "Plan":
         on_gpu, tiny = options.device.type == "cuda", options.tiny
+        budget = options.time_budget_s
         return cls(
             ops=options.ops or (OPS if on_gpu else CPU_OPS),
-            providers=options.providers or (PROVIDERS if on_gpu else CPU_PROVIDERS),
-            encoder_providers=options.providers or (PROVIDERS if on_gpu else CPU_ENCODER_PROVIDERS),
+            providers=options.providers or (GPU_PROVIDERS if on_gpu else CPU_PROVIDERS),
+            encoder_providers=options.providers or (GPU_PROVIDERS if on_gpu else CPU_ENCODER_PROVIDERS),
             stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
-            tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES[:1]),
+            tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES),
             encoder_cases=options.cases or (GPU_ENCODER_CASES if on_gpu else CPU_ENCODER_CASES),
             hidden_sizes=options.hidden_sizes or ((TINY_HIDDEN,) if tiny else (DEFAULT_HIDDEN,)),
             dtype=options.dtype or (torch.bfloat16 if on_gpu else torch.float32),
+            time_budget_s=DEFAULT_TIME_BUDGET_S[options.device.type] if budget is None else budget,
         )
 
     @property
@@ -114,3 +122,28 @@ class Plan:
         encoder_providers = set(self.encoder_providers) & set(ENCODER_PROVIDERS)
         count += len(self.encoder_ops) * len(encoder_providers) * len(self.encoder_cases)
         return count + (len(LOW_MEMORY_PATHS) * len(LOW_MEMORY_WORKLOADS) if "low_memory" in self.ops else 0)
+
+    def describe(self, device: torch.device) -> list[str]:
+        """What the run will do, a line per section that it runs: ops, providers, cases."""
+        lines = []
+        where = f"at {', '.join(case.name for case in self.stem_cases)}, D {', '.join(map(str, self.hidden_sizes))}"
+        for ops in (self.stem_ops, self.layer_ops):
+            if ops:
+                chosen = [p for p in self.providers if any(p in OP_BENCHES[op].providers for op in ops)]
+                lines.append(_section(", ".join(ops), chosen, where))
+        tower_cases = f"at {', '.join(case.name for case in self.tower_cases)}"
+        for op in self.tower_ops:
+            lines.append(_section(op, [p for p in TOWER_PROVIDERS if p in self.providers], tower_cases))
+        mixes = f"at {', '.join(Mix(case).name for case in self.encoder_cases)}"
+        for op in self.encoder_ops:
+            lines.append(_section(op, [p for p in ENCODER_PROVIDERS if p in self.encoder_providers], mixes))
+        if "low_memory" in self.ops:
+            runs = "each run on an emulated card" if device.type == "cuda" else "computed (running them needs CUDA)"
+            lines.append(f"low_memory: vLLM's and the planner's chunks, {runs}")
+        return lines
+
+
+def _section(name: str, providers: list[str], where: str) -> str:
+    if not providers:
+        return f"{name}: nothing to run, none of its providers is among --providers"
+    return f"{name}: {', '.join(providers)} {where}"

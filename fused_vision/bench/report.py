@@ -1,13 +1,17 @@
-"""What a run writes: results.csv, low_memory.csv, results.md, and the time and memory plots."""
+"""What a run writes: results.csv, low_memory.csv and results.md (the plots: ``plots``), and the text of them.
+
+Rows of Triton's interpreter (``timing`` "correctness", a CPU's fused and fused_kernel) are labelled as
+correctness runs and never compared with any other provider. No absolute path reaches a file (``portable``).
+"""
 
 import csv
-import math
 from collections import defaultdict
 from pathlib import Path
 
 from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
 from .layer_ops import LAYER_OPS
 from .measure import Ceiling
+from .plots import plot
 from .targets import (
     ENCODER_TARGETS,
     GOALS,
@@ -18,11 +22,22 @@ from .targets import (
     Verdict,
     verdicts,
 )
+from .text import (
+    ABOVE_CEILING_NOTE,
+    CORRECTNESS,
+    baseline_of,
+    format_bytes,
+    format_ms,
+    format_pct,
+    portable,
+    significant,
+    speed_rows,
+)
 
 ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
 COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype",
-    "ms_p50", "ms_p20", "ms_p80",
+    "ms_p50", "ms_p20", "ms_p80", "reps", "timing",
     "peak_bytes", "peak_requested_bytes", "output_bytes",
     "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
     "items_per_s", "real_patches", "layers",
@@ -34,77 +49,24 @@ LOW_MEMORY_COLUMNS = (
     *ENVIRONMENT_COLUMNS,
 )  # fmt: skip
 CEILING_OPS = ("copy", "matmul")
-PROVIDER_COLORS = {
-    "onehot": "tab:red",
-    "embedding": "tab:blue",
-    "compiled": "tab:purple",
-    "fused": "tab:green",
-    "fused_kernel": "tab:olive",
-    "stock": "tab:gray",
-    "padded": "tab:orange",
-    "packed": "tab:cyan",
-}
-
-
-def significant(value: float, digits: int = 3) -> str:
-    """``value`` to ``digits`` significant digits in fixed point: 0.0421, 5.95, 138, 4,253."""
-    if value == 0 or not math.isfinite(value):
-        return f"{value:g}"
-    decimals = max(0, digits - 1 - math.floor(math.log10(abs(value))))
-    return f"{value:,.{decimals}f}"
-
-
-def format_ms(ms: float) -> str:
-    return f"{significant(ms)} ms"
-
-
-def format_bytes(count: float) -> str:
-    """Decimal units, as the baselines' tables: 3.94 GB, 133 MB."""
-    for unit in ("B", "kB", "MB", "GB"):
-        if abs(count) < 999.5:
-            return f"{significant(count)} {unit}"
-        count /= 1000
-    return f"{significant(count)} TB"
-
-
-def format_pct(pct: float) -> str:
-    return f"{significant(pct, 2)}%"
-
-
-def progress_summary(row: dict) -> str:
-    parts = [f"{format_ms(row['ms_p50'])} [{significant(row['ms_p20'])}, {significant(row['ms_p80'])}]"]
-    if row.get("items_per_s") is not None:
-        parts.append(f"{significant(row['items_per_s'])} items/s")
-    if row.get("peak_bytes") is not None:
-        parts.append(f"peak {format_bytes(row['peak_bytes'])}")
-    if row.get("pct_of_copy") is not None:
-        parts.append(f"{significant(row['gbps'])} GB/s = {format_pct(row['pct_of_copy'])} of copy")
-    if row.get("pct_of_matmul") is not None:
-        parts.append(f"{significant(row['tflops'])} TFLOP/s = {format_pct(row['pct_of_matmul'])} of matmul")
-    return "  ".join(parts)
-
-
-def low_memory_summary(row: dict) -> str:
-    head = f"{row['items']} items, {row['chunk']} per call, {row['calls']} calls: "
-    if row["status"] != "ok":
-        return head + row["status"]
-    rate, seconds, peak = significant(row["items_per_s"]), significant(row["seconds"]), format_bytes(row["peak_bytes"])
-    return head + f"{rate} items/s, {seconds} s, peak {peak}"
 
 
 def ceiling_row(ceiling: Ceiling, dtype: str) -> dict:
-    row = dict(
-        op=ceiling.name,
-        provider="torch",
-        case=ceiling.case,
-        dtype=dtype,
-        ms_p50=ceiling.times.p50,
-        ms_p20=ceiling.times.p20,
-        ms_p80=ceiling.times.p80,
-    )
+    times = ceiling.times
+    row = dict(op=ceiling.name, provider="torch", case=ceiling.case, dtype=dtype, timing="speed")
+    row |= dict(ms_p50=times.p50, ms_p20=times.p20, ms_p80=times.p80, reps=times.reps)
     if ceiling.flops:
         return row | dict(tflops=ceiling.tflops, pct_of_matmul=100.0)
     return row | dict(model_bytes=ceiling.bytes_moved, gbps=ceiling.gbps, pct_of_copy=100.0)
+
+
+def ceiling_text(ceiling: Ceiling) -> str:
+    """How a ceiling was measured, and whether floors and shares of it are shown."""
+    times = ceiling.times
+    how = f"median of {times.reps} calls, 20-80 % spread {100 * times.spread:.0f}%"
+    if ceiling.reliable:
+        return how
+    return f"{how}: too few or too spread for a floor or a share of it, none shown"
 
 
 def sorted_rows(rows: list[dict], ops: tuple[str, ...], providers: tuple[str, ...]) -> list[dict]:
@@ -120,6 +82,8 @@ def sorted_rows(rows: list[dict], ops: tuple[str, ...], providers: tuple[str, ..
 
 
 def write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
+    """``rows`` under ``columns``; never called without rows (no file is better than an empty one)."""
+
     def cell(value) -> str:
         if value is None:
             return ""
@@ -137,21 +101,37 @@ def _table(header: list[str], body: list[list[str]]) -> list[str]:
     return lines + ["| " + " | ".join(cells) + " |" for cells in body] + [""]
 
 
+def _pct_of_floor(row: dict) -> float | None:
+    return 100 * row["floor_ms"] / row["ms_p50"] if row.get("floor_ms") and row.get("timing") != CORRECTNESS else None
+
+
 def _cell(row: dict | None, with_floor: bool) -> str:
-    """``median · peak · % of the floor``, the parts this row has."""
+    """``median · peak · % of the floor``, the parts this row has; an interpreter's time labelled as such."""
     if row is None:
         return "—"
+    if row.get("timing") == CORRECTNESS:
+        return f"{format_ms(row['ms_p50'])} (interpreter: correctness run)"
     parts = [format_ms(row["ms_p50"])]
     if row.get("peak_bytes") is not None:
         parts.append(format_bytes(row["peak_bytes"]))
-    if with_floor and row.get("floor_ms"):
-        parts.append(format_pct(100 * row["floor_ms"] / row["ms_p50"]))
+    if with_floor and _pct_of_floor(row) is not None:
+        parts.append(format_pct(_pct_of_floor(row)))
     return " · ".join(parts)
 
 
+def _speed_ratio_columns(baseline: str | None, by_case: dict[str, dict[str, dict]]) -> list[str]:
+    """The fused_vision providers to compare with the baseline: those with a speed row (not the interpreter's)."""
+    if baseline is None:
+        return []
+    rows = [row for by_provider in by_case.values() for row in by_provider.values()]
+    timed = {row["provider"] for row in speed_rows(rows)}
+    return [p for p in ("reference", "fused") if p in timed]
+
+
 def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...], device_type: str) -> list[str]:
-    """One table per (op, D): a row per case, a column per provider that ran, the baseline-to-fused ratio (the
-    one-hot's, or stock's for the layer ops); a layer op's caption judges its target."""
+    """One table per (op, D): a row per case, a column per provider that ran, the baseline's time over each
+    timed fused_vision provider's (the one-hot's, or stock's for the layer ops); a layer op's caption judges its
+    target."""
     groups: dict[tuple[str, int, str], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         if row["op"] not in CEILING_OPS:
@@ -160,21 +140,22 @@ def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str,
     for (op, hidden, dtype), by_case in groups.items():
         present = [p for p in providers if any(p in by_provider for by_provider in by_case.values())]
         stem = op in stem_ops
-        baseline = next((p for p in ("onehot", "stock") if p in present), None)
-        speedup = baseline is not None and "fused" in present
-        header = ["case", "patches", *(["floor"] if stem else []), *present]
-        header += [f"{baseline} / fused"] if speedup else []
+        with_floor = stem and any(first.get("floor_ms") for first in _firsts(by_case))
+        baseline = baseline_of(present)
+        compared = _speed_ratio_columns(baseline, by_case)
+        header = ["case", "patches", *(["floor"] if with_floor else []), *present]
+        header += [f"{baseline} / {provider}" for provider in compared]
         body = []
         for case, by_provider in by_case.items():
             first = next(iter(by_provider.values()))
             cells = [case, f"{first['B'] * first['N']:,}"]
-            if stem:
+            if with_floor:
                 cells.append(format_ms(first["floor_ms"]) if first.get("floor_ms") else "—")
             cells += [_cell(by_provider.get(p), stem) for p in present]
-            if speedup:
-                both = baseline in by_provider and "fused" in by_provider
-                ratio = by_provider[baseline]["ms_p50"] / by_provider["fused"]["ms_p50"] if both else None
-                cells.append(f"{significant(ratio, 2)}×" if ratio else "—")
+            for provider in compared:
+                row, base = by_provider.get(provider), by_provider.get(baseline)
+                timed = row is not None and base is not None and row.get("timing") != CORRECTNESS
+                cells.append(f"{significant(base['ms_p50'] / row['ms_p50'], 2)}×" if timed else "—")
             body.append(cells)
         lines += [f"### {op} · D={hidden} · {dtype}", ""]
         target = LAYER_OP_TARGETS.get(device_type) if op in LAYER_OPS else None
@@ -182,6 +163,10 @@ def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str,
             lines += [target.judge([row for by_provider in by_case.values() for row in by_provider.values()]), ""]
         lines += _table(header, body)
     return lines
+
+
+def _firsts(by_case: dict[str, dict[str, dict]]) -> list[dict]:
+    return [next(iter(by_provider.values())) for by_provider in by_case.values()]
 
 
 def _ratio(by_provider: dict[str, dict], numerator: str, denominator: str) -> str:
@@ -198,8 +183,14 @@ def _encoder_cell(row: dict | None) -> str:
     if row["peak_bytes"] is not None:
         parts.append(format_bytes(row["peak_bytes"]))
     if row.get("tflops") is not None:
-        parts.append(f"{significant(row['tflops'])} TFLOP/s ({format_pct(row['pct_of_matmul'])})")
+        share = f" ({format_pct(row['pct_of_matmul'])})" if row.get("pct_of_matmul") is not None else ""
+        parts.append(f"{significant(row['tflops'])} TFLOP/s{share}")
     return " · ".join(parts)
+
+
+def _encoder_ratios(present) -> list[tuple[str, str]]:
+    pairs = (("packed", "stock"), ("packed", "padded"), ("fused", "stock"), ("fused", "packed"))
+    return [(a, b) for a, b in pairs if a in present and b in present]
 
 
 def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
@@ -211,8 +202,7 @@ def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
     lines = []
     for (op, dtype, layers), by_case in groups.items():
         present = [p for p in ENCODER_PROVIDERS if any(p in by_provider for by_provider in by_case.values())]
-        ratios = [("packed", "stock"), ("packed", "padded")]
-        ratios += [("fused", "stock"), ("fused", "packed")] if "fused" in present else []
+        ratios = _encoder_ratios(present)
         header = ["case", "items", "real patches", *present, *(f"{a} / {b}" for a, b in ratios)]
         body = []
         for case, by_provider in by_case.items():
@@ -230,20 +220,25 @@ def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
 
 
 def low_memory_table(rows: list[dict]) -> list[str]:
+    """The scenario's rows; where none ran (no CUDA device), only the chunks each path computed."""
     if not rows:
         return []
     total = rows[0]["emulated_total_bytes"]
     free = [row["free_bytes"] for row in rows if row.get("free_bytes") is not None]
     with_free = f" with {min(free) / 2**30:.2f} GiB free" if free else ""
-    header = ["workload", "path", "items per call", "calls", "items/s", "peak beyond weights and inputs", "status"]
+    ran = any(row["status"] == "ok" for row in rows)
+    header = ["workload", "path", "items per call", "calls"]
+    header += ["items/s", "peak beyond weights and inputs"] if ran else []
     body = []
     for row in rows:
-        ok = row["status"] == "ok"
-        rate = significant(row["items_per_s"]) if ok else "—"
-        peak = format_bytes(row["peak_bytes"]) if ok else "—"
-        body.append([row["workload"], row["path"], str(row["chunk"]), str(row["calls"]), rate, peak, row["status"]])
-    title = f"### low memory: 26B/31B tower on an emulated {total / 2**30:.0f} GiB card{with_free}"
-    return [title, "", *_table(header, body)]
+        cells = [row["workload"], row["path"], str(row["chunk"]), str(row["calls"])]
+        if ran:
+            ok = row["status"] == "ok"
+            cells += [significant(row["items_per_s"]) if ok else "—", format_bytes(row["peak_bytes"]) if ok else "—"]
+        body.append(cells + [row["status"]])
+    title = f"### low memory: 26B/31B tower on {'an emulated' if ran else 'a'} {total / 2**30:.0f} GiB card{with_free}"
+    paths = "path onehot: vLLM's chunk (its one-hot price); fused: fused_vision's planner."
+    return [title, "", paths, "", *_table([*header, "status"], body)]
 
 
 def goal_summary(found: list[Verdict]) -> str:
@@ -265,8 +260,8 @@ def _measured(verdict: Verdict) -> str:
         return f"{format_bytes(verdict.extra_bytes)} {counted}"
     row, baseline = verdict.row, verdict.baseline
     text = f"{significant(verdict.ratio, 2)}×: {format_ms(row['ms_p50'])} against {format_ms(baseline['ms_p50'])}"
-    if row.get("floor_ms"):
-        text += f" · {format_pct(100 * row['floor_ms'] / row['ms_p50'])} of floor"
+    if _pct_of_floor(row) is not None:
+        text += f" · {format_pct(_pct_of_floor(row))} of floor"
     return text
 
 
@@ -291,104 +286,118 @@ def skipped_lines(skipped: list[dict]) -> list[str]:
     return lines + [""]
 
 
-def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...]) -> str:
-    env, copy, matmul = session.environment, session.copy, session.matmul
+PROVIDER_NOTES = {
+    "onehot": "transformers 5.5-5.9's one-hot code",
+    "embedding": "transformers 5.10+'s two F.embedding",
+    "compiled": "torch.compile of stock's code",
+    "stock": "stock's eager code",
+    "reference": "fused_vision's op on its PyTorch path, what a CPU runs",
+    "fused": "fused_vision's op on its Triton kernel",
+    "fused_kernel": "the Triton kernel's launcher alone",
+}
+
+
+def _op_caption(rows: list[dict], providers: tuple[str, ...], device_type: str) -> list[str]:
+    """What the op tables' cells and columns hold: only the parts these rows have."""
+    present = [p for p in providers if any(row["provider"] == p for row in rows)]
+    parts = ["median time"]
+    if any(row.get("peak_bytes") is not None for row in rows):
+        parts.append(f"peak beyond the inputs, output included ({PEAK_NOTES[device_type]})")
+    shares = [_pct_of_floor(row) for row in rows if _pct_of_floor(row) is not None]
+    if shares:
+        parts.append("% of the floor, where floor = max(bytes the op must move / copy bandwidth, FLOPs / matmul rate)")
+    lines = ["Cells: " + " · ".join(parts) + "."]
+    if shares and max(shares) > 100:
+        lines.append(ABOVE_CEILING_NOTE)
+    if any(row.get("timing") == CORRECTNESS for row in rows):
+        lines.append(
+            "interpreter: correctness run: Triton's interpreter ran the kernel on the CPU; its time says nothing of "
+            "the kernel's speed and is compared with nothing."
+        )
+    notes = [f"{p}: {PROVIDER_NOTES[p]}" for p in present if p in PROVIDER_NOTES]
+    lines.append("Providers: " + "; ".join(notes) + ".")
+    if _speed_ratio_columns(baseline_of(present), {"": {row["provider"]: row for row in rows}}):
+        lines.append("A ratio column: the first provider's median time over the second's.")
+    return [" ".join(lines), ""]
+
+
+PEAK_NOTES = {
+    "cuda": "the caching allocator's blocks",
+    "cpu": "the CPU allocator's blocks the call allocated, from torch's profiler; memory MKL allocates itself unseen",
+}
+
+
+def _encoder_caption(rows: list[dict], device_type: str) -> list[str]:
+    parts = ["items/s (items over the median time of a call, over rounds that interleave the providers)"]
+    if any(row.get("peak_bytes") is not None for row in rows):
+        parts.append(f"peak beyond the weights and inputs, output included ({PEAK_NOTES[device_type]})")
+    if any(row.get("pct_of_matmul") is not None for row in rows):
+        parts.append("TFLOP/s and its % of the matmul ceiling")
+    elif any(row.get("tflops") is not None for row in rows):
+        parts.append("TFLOP/s")
+    caption = "Encoder cells: " + " · ".join(parts) + "."
+    if any((row.get("pct_of_matmul") or 0) > 100 for row in rows):
+        caption += " " + ABOVE_CEILING_NOTE
+    if _encoder_ratios({row["provider"] for row in rows}):
+        caption += " A ratio column: the first provider's items/s over the second's."
+    return [caption, ""]
+
+
+def _ceilings_line(session) -> str:
+    copy, matmul = session.copy, session.matmul
+    return (
+        f"Ceilings measured in this run: device copy **{significant(copy.gbps)} GB/s** (bytes read + written, "
+        f"{copy.case}; {ceiling_text(copy)}), {matmul.case} {session.dtype_name} matmul "
+        f"**{significant(matmul.tflops)} TFLOP/s** ({ceiling_text(matmul)})."
+    )
+
+
+def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...], summary) -> str:
+    env, device_type = session.environment, session.options.device.type
     versions = ", ".join(f"{name} {env[name] or '-'}" for name in ENVIRONMENT_COLUMNS[1:])
     lines = [
         f"## fused_vision bench: {env['gpu']}",
         "",
-        f"{session.date:%Y-%m-%d %H:%M} UTC · `{session.options.command}` · {versions}",
+        f"{session.date:%Y-%m-%d %H:%M} UTC · `{portable(session.options.command)}` · {versions}",
         "",
-        f"Ceilings measured in this run: device copy **{significant(copy.gbps)} GB/s** (bytes read + written, "
-        f"{copy.case}), {matmul.case} {session.dtype_name} matmul **{significant(matmul.tflops)} TFLOP/s**.",
+        _ceilings_line(session),
+        "",
+    ]
+    if session.interrupted:
+        lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
+    lines += [
+        "### summary",
+        "",
+        summary[0].removeprefix("summary: ") + ":",
+        "",
+        *(f"- {line}" for line in summary[1:]),
         "",
     ]
     encoder_rows = [row for row in rows if row["op"] in ENCODER_TOWERS]
-    other_rows = [row for row in rows if row["op"] not in ENCODER_TOWERS]
-    if any(row["op"] not in CEILING_OPS for row in other_rows):
-        lines += [
-            "Cells: median time · peak bytes allocated beyond the inputs, output included (CUDA only) · for the stem "
-            "and layer ops, % of the floor, where floor = max(bytes the op must move / copy bandwidth, FLOPs / matmul "
-            "rate). onehot / fused, stock / fused: the fused op's speed-up over the one-hot or stock's eager code.",
-            "",
-        ]
-    if encoder_rows:
-        lines += [
-            "Encoder cells: items/s (items over the median time of a call, over repetitions that interleave the "
-            "providers) · peak beyond the weights and inputs, output included (CUDA: allocator blocks; CPU: the "
-            "live tensors the call creates, under no_grad) · TFLOP/s and its % of the matmul ceiling. Ratios: packed's "
-            "and fused's items/s over the other providers'.",
-            "",
-        ]
-    if session.interrupted:
-        lines += [f"**Interrupted** after {session.tasks_done} of {session.total_tasks} measurements.", ""]
+    op_rows = [row for row in rows if row["op"] not in (*ENCODER_TOWERS, *CEILING_OPS)]
     lines += goal_lines(rows)
-    lines += op_tables(other_rows, providers, stem_ops, session.options.device.type)
-    lines += encoder_tables(encoder_rows, session.options.device.type, session.options.tiny)
+    if op_rows:
+        lines += _op_caption(op_rows, providers, device_type)
+        lines += op_tables(op_rows, providers, stem_ops, device_type)
+    if encoder_rows:
+        lines += _encoder_caption(encoder_rows, device_type)
+        lines += encoder_tables(encoder_rows, device_type, session.options.tiny)
     lines += low_memory_table(session.low_memory_rows)
     lines += skipped_lines(session.skipped)
-    return "\n".join(lines)
+    return portable("\n".join(lines))
 
 
-def plot(rows: list[dict], providers: tuple[str, ...], out: Path, log) -> list[str]:
-    """time.png and memory.png: a panel per (op, D), bars per provider over the cases, log scale; floors dashed."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log("plots skipped: matplotlib is not installed (pip install matplotlib)")
-        return []
-    panels: dict[tuple[str, int], list[dict]] = defaultdict(list)
-    for row in rows:
-        if row["op"] not in CEILING_OPS:
-            panels[row["op"], row["D"]].append(row)
-    written = []
-    for metric, filename, label in (("ms_p50", "time.png", "median ms"), ("peak_bytes", "memory.png", "peak bytes")):
-        chosen = {key: group for key, group in panels.items() if any(r.get(metric) for r in group)}
-        if not chosen:
-            continue
-        columns, rows_of_panels = min(3, len(chosen)), math.ceil(len(chosen) / 3)
-        figure, axes = plt.subplots(rows_of_panels, columns, figsize=(5.5 * columns, 4 * rows_of_panels), squeeze=False)
-        handles = {}
-        for axis, ((op, hidden), group) in zip(axes.flat, chosen.items()):
-            case_names = list(dict.fromkeys(r["case"] for r in group))
-            present = [p for p in providers if any(r["provider"] == p for r in group)]
-            width = 0.8 / len(present)
-            for index, provider in enumerate(present):
-                values = {r["case"]: r[metric] for r in group if r["provider"] == provider and r.get(metric)}
-                offset = (index - (len(present) - 1) / 2) * width
-                xs = [i + offset for i, case in enumerate(case_names) if case in values]
-                ys = [values[case] for case in case_names if case in values]
-                handles[provider] = axis.bar(xs, ys, width, color=PROVIDER_COLORS[provider])
-            floors = {r["case"]: r["floor_ms"] for r in group if metric == "ms_p50" and r.get("floor_ms")}
-            for i, case in enumerate(case_names):
-                if case in floors:
-                    handles["floor"] = axis.hlines(floors[case], i - 0.45, i + 0.45, colors="black", linestyles="--")
-            axis.set_yscale("log")
-            # Log-scale bars start at the axis: put it below the smallest value so that every bar shows.
-            axis.set_ylim(bottom=min([r[metric] for r in group if r.get(metric)] + list(floors.values())) / 3)
-            axis.set_xticks(range(len(case_names)), case_names, rotation=15)
-            axis.set_title(f"{op} · D={hidden}")
-            axis.set_ylabel(label)
-            axis.grid(axis="y", which="both", alpha=0.3)
-        for axis in axes.flat[len(chosen) :]:
-            axis.set_visible(False)
-        figure.legend(handles.values(), handles.keys(), loc="upper center", ncol=len(handles))
-        figure.tight_layout(rect=(0, 0, 1, 0.94))
-        figure.savefig(out / filename, dpi=110)
-        plt.close(figure)
-        written.append(filename)
-    return written
-
-
-def write_all(
-    session, out: Path, providers: tuple[str, ...], ops: tuple[str, ...], stem_ops: tuple[str, ...]
-) -> list[str]:
-    """Every file of a run but the log, which the run writes as it goes; returns the names written."""
+def write_all(session, out: Path, providers: tuple[str, ...], ops: tuple[str, ...], stem_ops, summary) -> list[str]:
+    """Every file of a run but the log, which the run writes as it goes; returns the names written. A CSV
+    without rows is not written."""
     rows = sorted_rows(session.rows, ops, providers)
-    write_csv(out / "results.csv", COLUMNS, rows)
-    write_csv(out / "low_memory.csv", LOW_MEMORY_COLUMNS, session.low_memory_rows)
-    (out / "results.md").write_text(markdown(session, rows, providers, stem_ops))
-    return ["results.csv", "low_memory.csv", "results.md", *plot(rows, providers, out, session.log), "log.txt"]
+    written = []
+    for name, columns, table in (
+        ("results.csv", COLUMNS, rows),
+        ("low_memory.csv", LOW_MEMORY_COLUMNS, session.low_memory_rows),
+    ):
+        if table:
+            write_csv(out / name, columns, table)
+            written.append(name)
+    (out / "results.md").write_text(markdown(session, rows, providers, stem_ops, summary))
+    return [*written, "results.md", *plot(session, rows, providers, out), "log.txt"]

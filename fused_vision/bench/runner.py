@@ -6,6 +6,10 @@ low-memory scenario; the encoders' providers but ``compiled``; the ``compiled`` 
 ops' then the encoders'. Compile times are the one part of the run nobody can predict, so a run past its
 time budget loses compiled rows first, never the towers or the scenario; among them the embedder's at the
 target case and width go first: the comparison a target is set on.
+
+The time budget caps the run: nothing starts that would end past it, as far as a like call's last
+duration predicts, so only a first call, whose length nothing predicts, can end after it. The run ends
+with a plain summary (``summary``).
 """
 
 import platform
@@ -23,11 +27,12 @@ import torch
 import fused_vision
 
 from . import report
-from .encoder import ENCODER_PROVIDERS, Mix, bench_encoder
+from .encoder import Mix, bench_encoder
 from .measure import (
     Budget,
     Ceiling,
     Peak,
+    call_peak,
     copy_ceiling,
     matmul_ceiling,
     peak_memory,
@@ -37,11 +42,14 @@ from .measure import (
 )
 from .ops import Unsupported
 from .plan import OP_BENCHES, OPS, PROVIDERS, Options, Plan
+from .summary import summary_lines
 from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
+from .text import CORRECTNESS, low_memory_summary, portable, progress_summary, significant
 from .tower import bench_tower, run_low_memory
 from .workloads import Case
 
 COMPILED_FIRST = ("patch_embed", "position_embeddings")  # then the other ops with a compiled provider
+TRITON_PROVIDERS = ("fused", "fused_kernel")  # of the stem, layer and tower ops: a CPU runs them interpreted
 
 
 # do_bench's own defaults for the stem ops; a tower call takes 30-300 ms, so a second buys 3-30 timed calls.
@@ -77,7 +85,7 @@ def describe(exc: BaseException | str) -> str:
 
 
 class Log:
-    """Lines to stdout as they happen, and to ``log.txt``."""
+    """Lines to stdout as they happen, and to ``log.txt`` without absolute paths."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -85,7 +93,7 @@ class Log:
 
     def __call__(self, line: str) -> None:
         print(line, flush=True)
-        self.file.write(line + "\n")
+        self.file.write(portable(line) + "\n")
         self.file.flush()
 
     def close(self) -> None:
@@ -99,6 +107,8 @@ class Session:
         self.options, self.log, self.total_tasks = options, log, plan.task_count()
         self.dtype, self.dtype_name = plan.dtype, str(plan.dtype).removeprefix("torch.")
         self.started = time.monotonic()
+        self.time_budget_s = plan.time_budget_s
+        self.deadline = self.started + plan.time_budget_s if plan.time_budget_s else None  # time.monotonic()
         self.date = datetime.now(timezone.utc)
         self.environment = environment(options.device)
         self.stem_budget = QUICK_STEM_BUDGET if options.quick else STEM_BUDGET
@@ -112,12 +122,12 @@ class Session:
         self.copy: Ceiling | None = None
         self.matmul: Ceiling | None = None
 
-    def out_of_time(self) -> bool:
-        budget = self.options.time_budget_s
-        return bool(budget) and time.monotonic() - self.started > budget
+    def out_of_time(self, ahead_s: float = 0.0) -> bool:
+        """Whether the time budget is spent, or would be by something starting now that takes ``ahead_s``."""
+        return self.deadline is not None and time.monotonic() + ahead_s > self.deadline
 
     def time_budget_reason(self) -> str:
-        return f"past the time budget of {self.options.time_budget_s:g} s (--time-budget)"
+        return f"past the time budget of {self.time_budget_s:g} s (--time-budget)"
 
     def _progress(self, line: str) -> None:
         self.tasks_done += 1
@@ -143,22 +153,38 @@ class Session:
         model_bytes: int = 0,
         flops: int = 0,
     ):
-        """Set up, time and measure one provider at one case, and log it: the call's result, or None if skipped."""
+        """Set up, time and measure one provider at one case, and log it: the call's result, or None if skipped.
+
+        A CPU runs a Triton provider in Triton's interpreter: its row is a correctness run, with no peak or rates.
+        """
         if self.out_of_time():
             self.skip(op, provider, case, hidden, self.time_budget_reason())
             return None
         device = self.options.device
+        on_cpu = device.type == "cpu"
+        interpreted = on_cpu and provider in TRITON_PROVIDERS
         failure = None
         try:
             start = time.perf_counter()
             call = setup()
-            result = call()  # compiles, autotunes, JITs: kept out of the timings, reported in the log
+            call_start = time.perf_counter()
+            # The first call compiles, autotunes, JITs: kept out of the timings, reported in the log. On a CPU,
+            # whose allocator keeps no peak statistics, torch's profiler records the eager call's allocations.
+            peak = Peak(allocated=None, requested=None)
+            if on_cpu and not interpreted and provider != "compiled":
+                peak, result = call_peak(call, device)
+            else:
+                result = call()
             synchronize(device)
-            first_call_s = time.perf_counter() - start
-            times = time_call(call, device, budget)
-            peak = Peak(allocated=None, requested=None)  # the CPU allocator keeps no peak statistics
-            if device.type == "cuda":
-                peak, result = peak_memory(call, device)
+            first_call_s, call_s = time.perf_counter() - start, time.perf_counter() - call_start
+            if on_cpu and call_s * 1e3 >= budget.warmup_ms:  # that call was warm-up enough
+                budget = Budget(warmup_ms=0, rep_ms=budget.rep_ms)
+            if self.out_of_time(ahead_s=call_s):  # a timed call as long as the first would end past the budget
+                failure = self.time_budget_reason()
+            else:
+                times = time_call(call, device, budget, deadline=self.deadline)
+                if device.type == "cuda":
+                    peak, result = peak_memory(call, device)
         except Exception as exc:  # an out-of-memory error, a provider this stack lacks: a logged skip, not a crash
             failure = describe(exc)
         if failure:  # skipped outside the handler, whose traceback holds the failed call's tensors
@@ -175,28 +201,42 @@ class Session:
             ms_p50=times.p50,
             ms_p20=times.p20,
             ms_p80=times.p80,
+            reps=times.reps,
+            timing=CORRECTNESS if interpreted else "speed",
             peak_bytes=peak.allocated,
             peak_requested_bytes=peak.requested,
             output_bytes=tensor_bytes(result),
+            model_bytes=model_bytes or None,
         )
-        floor_ms = 0.0
-        if model_bytes:
-            gbps = model_bytes / times.p50 / 1e6
-            row |= dict(model_bytes=model_bytes, gbps=gbps, pct_of_copy=100 * gbps / self.copy.gbps)
-            floor_ms = model_bytes / self.copy.gbps / 1e6
-        if flops:
-            tflops = flops / times.p50 / 1e9
-            row |= dict(tflops=tflops, pct_of_matmul=100 * tflops / self.matmul.tflops)
-            floor_ms = max(floor_ms, flops / self.matmul.tflops / 1e9)
-        if floor_ms:
-            row["floor_ms"] = floor_ms
+        if not interpreted:
+            row |= self.rates(times.p50, model_bytes, flops)
         self.record(row, first_call_s)
         return result
+
+    def rates(self, ms: float, model_bytes: int, flops: int, *, floor: bool = True) -> dict:
+        """GB/s and TFLOP/s of a call of ``ms``; their shares of the ceilings, and the floor where ``floor``,
+        where every ceiling they rest on is reliable."""
+        rates, floors, ceilings = {}, [], []
+        if model_bytes:
+            rates["gbps"] = model_bytes / ms / 1e6
+            floors.append(model_bytes / self.copy.gbps / 1e6)
+            ceilings.append(self.copy)
+            if self.copy.reliable:
+                rates["pct_of_copy"] = 100 * rates["gbps"] / self.copy.gbps
+        if flops:
+            rates["tflops"] = flops / ms / 1e9
+            floors.append(flops / self.matmul.tflops / 1e9)
+            ceilings.append(self.matmul)
+            if self.matmul.reliable:
+                rates["pct_of_matmul"] = 100 * rates["tflops"] / self.matmul.tflops
+        if floor and floors and all(ceiling.reliable for ceiling in ceilings):
+            rates["floor_ms"] = max(floors)
+        return rates
 
     def record(self, row: dict, first_call_s: float) -> None:
         self.rows.append(row | self.environment)
         self._progress(
-            f"{row['op']:<14} {row['provider']:<12} {row['case']:<13} D={row['D']:<5} {report.progress_summary(row)}"
+            f"{row['op']:<14} {row['provider']:<12} {row['case']:<13} D={row['D']:<5} {progress_summary(row)}"
             f"  (first call {first_call_s:.2f} s)"
         )
 
@@ -211,8 +251,12 @@ class Session:
         for ceiling, dtype in ((self.copy, "float32"), (self.matmul, self.dtype_name)):
             self.rows.append(report.ceiling_row(ceiling, dtype) | self.environment)
         self.log(
-            f"  copy {report.significant(self.copy.gbps)} GB/s (read + write, {self.copy.case}); "
-            f"matmul {report.significant(self.matmul.tflops)} TFLOP/s ({self.matmul.case}, {self.dtype_name})"
+            f"  copy {significant(self.copy.gbps)} GB/s (read + write, {self.copy.case}; "
+            f"{report.ceiling_text(self.copy)})"
+        )
+        self.log(
+            f"  matmul {significant(self.matmul.tflops)} TFLOP/s ({self.matmul.case}, {self.dtype_name}; "
+            f"{report.ceiling_text(self.matmul)})"
         )
 
     def guarded(self, section: str, fn: Callable, *args) -> None:
@@ -225,7 +269,7 @@ class Session:
 
     def record_low_memory(self, row: dict) -> None:
         self.low_memory_rows.append(row | self.environment)
-        self._progress(f"{'low_memory':<14} {row['path']:<12} {row['case']:<13} {report.low_memory_summary(row)}")
+        self._progress(f"{'low_memory':<14} {row['path']:<12} {row['case']:<13} {low_memory_summary(row)}")
 
 
 def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...], stem_cases, hidden_sizes) -> None:
@@ -302,19 +346,16 @@ def run(options: Options) -> Path:
     sigint_ignored, sigint_handler = False, None  # while the reports of an interrupted run are written
     try:
         session = Session(options, log, plan)
+        cpu_start = time.process_time()
         env = session.environment
         log(
             f"fused_vision bench on {env['gpu']}: torch {env['torch']}, triton {env['triton'] or '-'}, "
             f"transformers {env['transformers'] or '-'}, fused_vision {env['fused_vision']}"
         )
-        log(
-            f"ops {', '.join(plan.ops)}; providers {', '.join(plan.providers)} "
-            f"(encoders: {', '.join(p for p in ENCODER_PROVIDERS if p in plan.encoder_providers)}); "
-            f"cases {', '.join(case.name for case in plan.stem_cases)} "
-            f"(towers: {', '.join(case.name for case in plan.tower_cases)}; "
-            f"encoders: {', '.join(Mix(case).name for case in plan.encoder_cases)}); "
-            f"D {', '.join(map(str, plan.hidden_sizes))}; {session.dtype_name}; results in {options.out}"
-        )
+        for line in plan.describe(options.device):
+            log(f"  {line}")
+        budget = f"time budget {plan.time_budget_s:g} s" if plan.time_budget_s else "no time budget"
+        log(f"  {session.dtype_name}; {budget}; results in {options.out}")
         session.measure_ceilings()
         try:
             run_sections(session, plan)
@@ -323,9 +364,15 @@ def run(options: Options) -> Path:
             sigint_ignored = True
             session.interrupted = True
             log("interrupted: writing the reports of what was measured so far")
-        written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(OP_BENCHES))
-        log(report.goal_summary(verdicts(session.rows)))
-        log(f"wrote {', '.join(written)} in {options.out} ({time.monotonic() - session.started:.0f} s)")
+        summary = summary_lines(session)
+        written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(OP_BENCHES), summary)
+        found = verdicts(session.rows)
+        if found or options.device.type == "cuda":  # a CPU has no goal of these, which are set for a GPU
+            log(report.goal_summary(found))
+        for index, line in enumerate(summary):
+            log(line if index == 0 else f"  - {line}")
+        seconds, cpu_seconds = time.monotonic() - session.started, time.process_time() - cpu_start
+        log(f"wrote {', '.join(written)} in {options.out} ({seconds:.0f} s; {cpu_seconds:.0f} s of CPU time)")
     finally:
         log.close()
         if sigint_ignored:  # None: a handler not set from Python, which signal.signal cannot restore

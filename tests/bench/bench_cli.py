@@ -13,6 +13,12 @@ def read_csv(path):
         return tuple(reader.fieldnames), list(reader)
 
 
+def reliable(ceiling: dict) -> bool:
+    """The rule for showing shares of a ceiling, from its CSV row: 10 calls or more, within 10 % of the median."""
+    spread = (float(ceiling["ms_p80"]) - float(ceiling["ms_p20"])) / float(ceiling["ms_p50"])
+    return int(ceiling["reps"]) >= 10 and spread <= 0.1
+
+
 def run_cli(tmp_path, *args: str):
     out = tmp_path / "bench"
     assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", "--out", str(out), *args]) == 0

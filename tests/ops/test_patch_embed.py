@@ -103,13 +103,18 @@ def test_empty_batch(backend):
 @pytest.mark.parametrize(
     "change,error,pattern",
     [
-        (dict(weight=lambda w: w[:, :40]), ValueError, r"pixel_values: expected shape \(B, N, weight.shape\[1\]\)"),
+        (
+            dict(weight=lambda w: w[:, :40]),
+            ValueError,
+            r"weight: expected shape \(D, K\) with K = pixel_values.shape\[2\] = 48, got \(16, 40\)",
+        ),
+        (dict(pixel_values=lambda p: p[:1]), ValueError, r"pixel_values: expected shape \(B, N, K\) like position_ids"),
         (dict(table=lambda t: t[..., :8]), ValueError, r"table: expected shape \(2, P, D\) with D = weight.shape\[0\]"),
         (dict(table=lambda t: t.half()), TypeError, r"table: expected dtype in \(float32\)"),
         (dict(pixel_values=lambda p: p.long()), TypeError, r"pixel_values: expected dtype"),
         (dict(position_ids=lambda i: i + 30), ValueError, r"position_ids: expected values below 30"),
     ],
-    ids=["features", "hidden", "table_dtype", "integer_pixels", "ids_range"],
+    ids=["features", "pixel_items", "hidden", "table_dtype", "integer_pixels", "ids_range"],
 )
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
 def test_bad_input(change, error, pattern, backend):
