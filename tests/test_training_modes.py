@@ -34,7 +34,7 @@ from gemma4_towers import (
 
 ENCODERS = ["stock", "packed", "fused"]
 # mode -> the fused layer calls of a fused tower's forward, and of its forward and backward together
-# (two layers; a checkpointed layer runs again in backward; the adapter's layer runs stock code)
+# (two layers; a checkpointed layer runs again in backward; the adapter's layer fuses around its linear)
 FUSED_CALLS = {
     "eval": (2, 2),
     "train": (2, 2),
