@@ -15,8 +15,6 @@ tower's forward. So the encoder's own forward packs:
 
 from __future__ import annotations
 
-import sys
-
 import torch
 from torch import nn
 
@@ -27,10 +25,6 @@ __all__ = ["encoder_forward", "packs"]
 
 # Keywords the stock encoder's forward takes that change nothing the layers compute
 _PASSIVE_KWARGS = ("output_hidden_states", "output_attentions", "return_dict", "use_cache")
-
-
-def _modeling(module: nn.Module):
-    return sys.modules[type(module).__module__]
 
 
 def _padded_call(inputs_embeds, attention_mask, pixel_position_ids, kwargs) -> bool:
@@ -70,7 +64,7 @@ def _padded_fused(encoder, inputs_embeds, attention_mask, pixel_position_ids, ba
     """The fused layers on the padded (B, N, D) batch, each item's queries attending to its valid keys."""
 
     def stock_kwargs():  # stock's (B, 1, N, N) mask, built only where a layer runs stock code
-        mask = _modeling(encoder).create_bidirectional_mask(
+        mask = fused_layer.modeling_of(encoder).create_bidirectional_mask(
             config=encoder.config, inputs_embeds=inputs_embeds, attention_mask=attention_mask
         )
         return dict(attention_mask=mask)
@@ -100,4 +94,4 @@ def encoder_forward(self, inputs_embeds, attention_mask, pixel_position_ids=None
         hidden_states = hidden_states.view_as(inputs_embeds)
     else:
         return patching.stock_method(self, "forward")(inputs_embeds, attention_mask, pixel_position_ids, **kwargs)
-    return _modeling(self).BaseModelOutputWithPast(last_hidden_state=hidden_states)
+    return fused_layer.modeling_of(self).BaseModelOutputWithPast(last_hidden_state=hidden_states)

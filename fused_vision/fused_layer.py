@@ -51,6 +51,7 @@ __all__ = [
     "attend_valid_keys",
     "blocker",
     "may_read_on_host",
+    "modeling_of",
     "records_outputs",
     "prepare",
     "release",
@@ -70,13 +71,14 @@ _ACTIVATION = "gelu_pytorch_tanh"
 _SHARING: weakref.WeakSet = weakref.WeakSet()  # the layers whose parameters view concatenated weights
 
 
-def _modeling(layer: nn.Module):
-    return sys.modules[type(layer).__module__]
+def modeling_of(module: nn.Module):
+    """The modeling module that defines ``module``'s class (transformers' or SGLang's Gemma 4)."""
+    return sys.modules[type(module).__module__]
 
 
 def _classes(layer: nn.Module) -> dict[str, type]:
     """The stock class each submodule of a fused layer must be exactly (a subclass may compute otherwise)."""
-    modeling = _modeling(layer)
+    modeling = modeling_of(layer)
     classes = {name: modeling.Gemma4ClippableLinear for name in _LINEARS}
     classes |= {name: modeling.Gemma4RMSNorm for name in _NORMS}
     return classes | {"self_attn": modeling.Gemma4VisionAttention, "mlp": modeling.Gemma4VisionMLP}
@@ -85,7 +87,7 @@ def _classes(layer: nn.Module) -> dict[str, type]:
 def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
     """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, linears
     it can call as stock does (``fused_vision.linears``), no hooks, the tanh GELU, and no autocast."""
-    modeling = _modeling(layer)
+    modeling = modeling_of(layer)
     if type(layer) is not getattr(modeling, "Gemma4VisionEncoderLayer", None):
         return f"it is a {type(layer).__name__}, not transformers' Gemma4VisionEncoderLayer"
     for name, cls in _classes(layer).items():
@@ -241,19 +243,18 @@ def _clamp_table(clipped: list[nn.Module], sides: list[str]) -> torch.Tensor | N
 
 
 def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
-    """The group's projections of y side by side, each after its own input clamp: one GEMM where the
-    clamps are alike (or absent), one per projection otherwise."""
+    """The group's projections of y side by side, each after its own input clamp: one GEMM where every
+    weight can be read and the clamps are alike (or absent), one per projection otherwise."""
     clipped = _group(layer, group)
-    if not all(linears.reads_weight(m.linear, y) for m in clipped):  # each its own GEMM, as stock calls it
-        inputs = [torch.clamp(y, m.input_min, m.input_max) if m.use_clipped_linears else y for m in clipped]
-        return torch.cat([m.linear(x) for m, x in zip(clipped, inputs)], dim=-1)
-    if not clipped[0].use_clipped_linears:
-        return F.linear(y, _gemm_weight(layer, group))
-    bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in clipped])
-    # Comparing the bounds reads them on the host; where that is not allowed, one GEMM per projection.
-    if may_read_on_host(bounds) and bool((bounds == bounds[0]).all()):
-        return F.linear(torch.clamp(y, clipped[0].input_min, clipped[0].input_max), _gemm_weight(layer, group))
-    return torch.cat([F.linear(torch.clamp(y, m.input_min, m.input_max), m.linear.weight) for m in clipped], dim=-1)
+    if all(linears.reads_weight(m.linear, y) for m in clipped):
+        if not clipped[0].use_clipped_linears:
+            return F.linear(y, _gemm_weight(layer, group))
+        bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in clipped])
+        # Comparing the bounds reads them on the host; where that is not allowed, one GEMM per projection.
+        if may_read_on_host(bounds) and bool((bounds == bounds[0]).all()):
+            return F.linear(torch.clamp(y, clipped[0].input_min, clipped[0].input_max), _gemm_weight(layer, group))
+    inputs = (torch.clamp(y, m.input_min, m.input_max) if m.use_clipped_linears else y for m in clipped)
+    return torch.cat([linears.project(m.linear, x) for m, x in zip(clipped, inputs)], dim=-1)
 
 
 # ---- the layer and the loop ----------------------------------------------------------------------------
