@@ -30,8 +30,9 @@ _ABSOLUTE_PATH = re.compile(r"(?<![^\s'\"(\[=])/[^\s'\":,()\[\]]+")
 def portable(text: str) -> str:
     """``text`` with no absolute path: one under the working folder made relative to it, one in the
     interpreter's site-packages made relative to that, any other cut to its last part ("…/name")."""
-    roots = [(os.getcwd(), None)]
-    roots += [(sysconfig.get_path(name), "site-packages") for name in ("purelib", "platlib")]
+    roots = [(sysconfig.get_path(name), "site-packages") for name in ("purelib", "platlib")]
+    # The longest root first: a venv inside the working folder still reads "site-packages/…".
+    roots = sorted([*roots, (os.getcwd(), None)], key=lambda root: len(root[0]), reverse=True)
 
     def shorten(match: re.Match) -> str:
         path = match.group(0)
