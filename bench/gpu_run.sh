@@ -2,14 +2,15 @@
 # A GPU run in steps of a few minutes each, in the order named, each in a time box:
 #   bash bench/gpu_run.sh [--out DIR] [STEP...]
 # A full run takes two calls. With no step named, the correctness tests at real shapes, then the benchmark:
-#   bash bench/gpu_run.sh                              gpu_tests bench                ~5.5 min, box 450 s
+#   bash bench/gpu_run.sh                              gpu_tests bench                ~6 min, box 470 s
 #   bash bench/gpu_run.sh planner_check kernel_tests   two more                       ~2.5 min, box 300 s
 #   bash bench/gpu_run.sh vllm_encoder                 the last                       ~2 min, box 180 s
 # Where a step failed, rerun it alone. The steps:
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
-#                  the table gradient, the fused encoder's error vs float64 at the 26B/31B layer shapes),
-#                  with syncs forbidden and in CUDA graphs                         box 150 s, ~1 to 2 min
+#                  the table gradient, the packed and fused encoders' outputs and gradients vs float64
+#                  at both towers' layer shapes), with syncs forbidden and in CUDA graphs
+#                                                                                  box 200 s, ~2 to 3 min
 #   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
 #   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
@@ -66,7 +67,7 @@ else
   vllm_encoder_args=()
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
-declare -A box=([gpu_tests]=150 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180)
+declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180)
 [ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do

@@ -1,5 +1,6 @@
-"""The fused encoder at the 26B/31B tower's real layer shapes (hidden 1152, 16 heads of 72, intermediate 4304),
-two layers, against stock item by item and a float64 twin: no less accurate than stock in any dtype."""
+"""The packed and fused encoders at both towers' real layer shapes (26B/31B: hidden 1152, 16 heads of 72,
+intermediate 4304; E2B/E4B: hidden 768, 12 heads of 64, intermediate 3072, clipped linears), two layers,
+against stock item by item and a float64 twin: no less accurate than stock in any dtype, gradients too."""
 
 import copy
 
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 from fused_vision import apply_fused_vision_to_gemma4, encode_images
+from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
 
 from .conftest import SMOKE, image_ids
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, relative_error
@@ -14,24 +16,19 @@ from gemma4_towers import ACCURACY_FLOOR, alone, modeling, randomize
 
 pytestmark = pytest.mark.gpu
 
-# (hidden, heads, intermediate, patch size, items, soft tokens per item)
-LAYER_SHAPE = (48, 2, 96, 4, 2, 12) if SMOKE else (1152, 16, 4304, 16, 8, 280)
+# (patch size, items, soft tokens per item)
+BATCH = (4, 2, 12) if SMOKE else (16, 8, 280)
+TOWERS = {"26b_31b": "tower_26b_31b", "e2b_e4b": "tower_e2b_e4b"}
 
 
-def real_shape_tower(dtype, **overrides):
-    hidden, heads, intermediate, patch_size, _, _ = LAYER_SHAPE
+def real_shape_tower(dtype, tower="26b_31b", **overrides):
+    patch_size = BATCH[0]
+    shape = VISION_TOWERS[TOWERS[tower]] | (TINY_TOWER if SMOKE else {}) | dict(num_hidden_layers=2)
     config = modeling.Gemma4VisionConfig(
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=heads,
-        num_key_value_heads=heads,
-        head_dim=72,
+        **shape | overrides,
         patch_size=patch_size,
         position_embedding_size=10240,
         pooling_kernel_size=3,
-        standardize=True,
-        **overrides,
     )
     config._attn_implementation = "sdpa"
     tower = randomize(modeling.Gemma4VisionModel(config), seed=0)
@@ -39,33 +36,67 @@ def real_shape_tower(dtype, **overrides):
         for name, weight in tower.named_parameters():
             if name.endswith("linear.weight"):
                 weight.mul_(5.0 / weight.shape[1] ** 0.5)
+        for name, bound in tower.named_buffers():  # clip bounds that clip some values, never all of them
+            if name.endswith(("_min", "_max")):
+                bound.copy_((2.0 + bound.abs()) * (-1.0 if name.endswith("_min") else 1.0))
     return tower.to(DEVICE, dtype).eval()
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_id)
-def test_fused_encoder_as_accurate_as_stock_at_real_layer_shapes(record_property, dtype):
-    _, _, _, patch_size, items, soft_tokens = LAYER_SHAPE
+def real_shape_batch():
+    patch_size, items, soft_tokens = BATCH
     ids = list(image_ids(items, soft_tokens))
-    pixels = [torch.rand(i.shape[0], 3 * patch_size**2, device=DEVICE) for i in ids]
-    tower = real_shape_tower(dtype)
+    return [torch.rand(i.shape[0], 3 * patch_size**2, device=DEVICE) for i in ids], ids
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_id)
+@pytest.mark.parametrize("encoder", ["packed", "fused"])
+@pytest.mark.parametrize("tower_shape", list(TOWERS))
+def test_encoder_as_accurate_as_stock_at_real_layer_shapes(record_property, tower_shape, encoder, dtype):
+    pixels, ids = real_shape_batch()
+    tower = real_shape_tower(dtype, tower_shape)
     stock = alone(tower, pixels, ids)
     exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
-    apply_fused_vision_to_gemma4(tower, encoder="fused")
+    apply_fused_vision_to_gemma4(tower, encoder=encoder)
     with torch.no_grad():
-        fused = encode_images(tower, pixels, ids)
-    record_property("fused_error", max(relative_error(f, x) for f, x in zip(fused, exact)))
+        got = encode_images(tower, pixels, ids)
+    record_property(f"{encoder}_error", max(relative_error(g, x) for g, x in zip(got, exact)))
     record_property("stock_error", max(relative_error(s, x) for s, x in zip(stock, exact)))
-    for index, (f, s, x) in enumerate(zip(fused, stock, exact, strict=True)):
+    for index, (g, s, x) in enumerate(zip(got, stock, exact, strict=True)):
         floor = ACCURACY_FLOOR[dtype]
-        assert_as_accurate_as_stock(f, s, x, floor=floor, ords=(2, float("inf")), what=f"item {index}")
+        assert_as_accurate_as_stock(g, s, x, floor=floor, ords=(2, float("inf")), what=f"item {index}")
+
+
+def tower_gradients(tower, pixels, ids):
+    """Every parameter's and the pixels' gradient of a loss on the soft tokens of the padded batch."""
+    padded_pixels = torch.nn.utils.rnn.pad_sequence(pixels, batch_first=True).to(tower.dtype).requires_grad_()
+    padded_ids = torch.nn.utils.rnn.pad_sequence(ids, batch_first=True, padding_value=-1)
+    out = tower(pixel_values=padded_pixels, pixel_position_ids=padded_ids).last_hidden_state
+    out.double().square().mean().backward()
+    return {name: p.grad for name, p in tower.named_parameters()} | {"pixels": padded_pixels.grad}
+
+
+@pytest.mark.parametrize("encoder", ["packed", "fused"])
+@pytest.mark.parametrize("tower_shape", list(TOWERS))
+def test_encoder_gradients_as_accurate_as_stock_at_real_layer_shapes(record_property, tower_shape, encoder):
+    """fp32 training: each gradient no further from float64's than stock's is (1.5x, floor 2**-20)."""
+    pixels, ids = real_shape_batch()
+    tower = real_shape_tower(torch.float32, tower_shape).train()
+    exact = tower_gradients(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    stock = tower_gradients(copy.deepcopy(tower), pixels, ids)
+    apply_fused_vision_to_gemma4(tower, encoder=encoder)
+    got = tower_gradients(tower, pixels, ids)
+    record_property("worst_gradient_error", max(relative_error(got[n], exact[n]) for n in exact))
+    for name, grad in exact.items():
+        assert_as_accurate_as_stock(got[name], stock[name], grad, floor=2**-20, what=f"gradient of {name}")
 
 
 @pytest.mark.parametrize("clipped", [False, True], ids=["26b_31b", "e2b_e4b_clamps"])
 def test_the_fused_encoder_captured_in_a_cuda_graph_replays_as_eager(clipped):
     """The encoder's own forward, fused on its padded batch, as an engine capturing the tower calls it:
     nothing may sync (clipped linears: one GEMM per projection while capturing)."""
-    hidden, _, _, _, items, soft_tokens = LAYER_SHAPE
-    tower = real_shape_tower(torch.bfloat16, use_clipped_linears=clipped)
+    _, items, soft_tokens = BATCH
+    tower = real_shape_tower(torch.bfloat16, "e2b_e4b" if clipped else "26b_31b")
+    hidden = tower.config.hidden_size
     apply_fused_vision_to_gemma4(tower, encoder="fused")
 
     def batch(seed):
