@@ -1,48 +1,49 @@
-"""Compile every Triton kernel for Hopper (sm_90a) with no GPU, at the launch configs a GPU gets, and
-report what each costs: shared memory, registers, spills, and the matrix instruction its dots became.
+"""Compile every Triton kernel, at every launch config a GPU can get, for every architecture its users have,
+with no GPU, and check what each build costs there.
 
-    python bench/tools/hopper_compile.py [--out DIR] [--fp-fusion]
+    python bench/tools/build_matrix.py [--targets sm_80,gfx942,...] [--fp-fusion] [--out DIR] [--jobs N]
+    python bench/tools/build_matrix.py --markdown DIR     the table of DIR's CSVs, one per Triton
 
-Triton lowers to PTX on any machine and its bundled ptxas assembles it; registers and spills are read
-off that ptxas run's own log, so they are the binary's a GPU would load, built with the ptxas and flags
-Triton chose (both change between Triton releases). This catches what the CPU interpreter cannot:
-kernels that do not compile for the GPU, tiles that overflow shared memory, register spills, and a
-half-precision embedder GEMM that misses Hopper's asynchronous tensor cores (wgmma), which would cap
-it far below the GEMM floor; with --fp-fusion, also arithmetic whose result depends on fp fusion
-(each kernel built again with fusion flipped must hold the same fma count in its PTX: fused, a * b + c
-rounds once; Triton 3.10 stops fusing by default). The arguments are the launchers' own, captured from
-calls on small CPU tensors (B=2, N=63, D=1152, K=768; the pooler's slot pass, whose blocks grow with
-N, at N=2520 and 10080), so the specialisations match a real launch. Exits 1 when a kernel does not
-compile, overflows shared memory, spills registers, builds no wgmma (the bf16/fp16 embedder) or, with
---fp-fusion, fma that fusion decides.
-Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
+Targets (bench/tools/targets.py): sm_80, sm_86, sm_89, sm_90a, sm_100a, sm_120, gfx942 and gfx90a. Triton
+lowers to PTX or AMDGCN on any machine and assembles it with its bundled ptxas or LLVM: registers and
+spills are read off ptxas -v's log (NVIDIA) or the code object's metadata (AMD: VGPRs, scratch, SGPR
+spills), so they are the binary's a GPU would load, built by the Triton in use (allocation changes between
+releases). A launch (bench/tools/launches.py) fails a target when the launcher offers it there and it:
+- does not compile;
+- spills registers to memory (AMD's SGPR spills into VGPR lanes are reported, not failed);
+- takes more shared memory (LDS) than one block may use there;
+- leaves fewer warps resident than its kernel's occupancy floor (FLOORS);
+- is the bf16/fp16 embedder and misses the target's tensor cores (wgmma on sm_90a, tcgen05 on sm_100a,
+  mma.sync on the others, MFMA on AMD): that would cap it far below the GEMM floor;
+- with --fp-fusion, on sm_90a: built again with fp fusion flipped, holds a different fma count in its PTX
+  (fused, a * b + c rounds once; Triton 3.10 stops fusing by default).
+An autotune candidate the launcher does not offer on a target (kernels/common.py prunes by shared memory)
+is built and reported there, never failed. Exits 1 on any failure, or where a target is offered no
+candidate. CI (`bash .ci/run build_matrix`) runs every target with the oldest and newest supported Triton
+(3.6 and 3.9), and sm_90a and gfx942 with the two between, which keeps the stage near 10 minutes on two
+cores. Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
 """
 
 import argparse
 import csv
 import io
+import multiprocessing
 import re
 import sys
-from contextlib import ExitStack, redirect_stdout
+from collections import defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import redirect_stdout
 from pathlib import Path
-from unittest import mock
 
 import torch
 import triton
-from triton.backends.compiler import GPUTarget
+from launches import DTYPES, Launch, launches, name
+from targets import KIB, TARGETS, Target, amdgcn_resources, occupancy, ptxas_resources
 from triton.compiler import ASTSource
 
-from fused_vision import reference
-from fused_vision.kernels import gelu_gate as gelu_gate_kernels
-from fused_vision.kernels import patch_embed as patch_embed_kernels
-from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
-from fused_vision.kernels import position_embeddings as position_embeddings_kernels
-from fused_vision.kernels import qkv_norm_rope as qkv_norm_rope_kernels
-from fused_vision.kernels import residual_rms_norm as residual_rms_norm_kernels
+from fused_vision.kernels import patch_embed, pool_by_positions
 from fused_vision.kernels.common import interpreting
 
-HOPPER = GPUTarget("cuda", 90, 32)
-SHARED_MEMORY_PER_BLOCK = 232_448  # bytes one block may use on sm_90
 POINTER_TYPES = {
     torch.float32: "*fp32",
     torch.float16: "*fp16",
@@ -51,59 +52,47 @@ POINTER_TYPES = {
     torch.int32: "*i32",
     torch.uint8: "*u8",
 }
-DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-BATCH, PATCHES, HIDDEN, FEATURES, POSITIONS = 2, 63, 1152, 768, 64
-POOLER_KERNELS = ("_patch_slots_kernel", "_pool_by_positions_tuned")
-# The encoder layers' shapes: (hidden, heads, head_dim, intermediate) of the 1152- and 768-wide towers.
-LAYER_SHAPES = ((1152, 16, 72, 4304), (768, 12, 64, 3072))
+# Occupancy floors, resident warps over the SM's most. The gathers and row kernels are bound by memory:
+# an eighth of the warps (16-byte loads, several rows per thread) keeps enough loads in flight to near the
+# bandwidth. The GEMM tiles pipeline their loads within a block, so one block per SM suffices; so does one
+# per item for the slot pass.
+STREAMING, TILE, PER_ITEM = 1 / 8, 1 / 16, 1 / 16
+FLOORS = {
+    "position_embeddings": STREAMING,
+    "table_grad": STREAMING,
+    "pool_backward": STREAMING,
+    "gelu_gate": STREAMING,
+    "residual_rms_norm": STREAMING,
+    "qkv_norm_rope": STREAMING,
+    "patch_embed": TILE,
+    "pool_by_positions": TILE,
+    "patch_slots": PER_ITEM,
+}
+FIELDS = ("triton", "target", "kernel", "variant", "offered", "registers", "spill_bytes", "sgpr_spills")
+FIELDS += ("shared_bytes", "occupancy", "mma", "fmas", "status")
 
 
-class Capture:
-    """Stands in for a kernel or its autotuner: records launches instead of running them."""
-
-    def __init__(self):
-        self.launches = []
-
-    def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((args, kwargs))
-
-
-def capture_launches(module, attributes: tuple[str, ...], call) -> list[tuple[tuple, dict]]:
-    """The (args, kwargs) of the one launch ``call`` makes of each kernel (or autotuner) of ``module``
-    named in ``attributes``, in that order, on the GPU's code path."""
-    captures = [Capture() for _ in attributes]
-    with ExitStack() as stack:
-        stack.enter_context(mock.patch.object(module, "interpreting", lambda: False))
-        for attribute, capture in zip(attributes, captures):
-            stack.enter_context(mock.patch.object(module, attribute, capture))
-        call()
-    for attribute, capture in zip(attributes, captures):
-        if len(capture.launches) != 1:
-            raise RuntimeError(f"{module.__name__}.{attribute}: expected one launch, got {len(capture.launches)}")
-    return [capture.launches[0] for capture in captures]
-
-
-def compile_for_hopper(kernel, args: tuple, kwargs: dict, fp_fusion: bool | None = None):
+def compile_for(target: Target, launch: Launch, fp_fusion: bool | None = None):
     """Compile as the JIT would for these arguments: ints equal to 1 become constants, pointers and
     values divisible by 16 are marked so; ``fp_fusion``: Triton's default, or forced on or off. Returns
-    the compiled kernel and its ptxas -v log."""
-    kwargs = dict(kwargs)
+    the compiled kernel and, on NVIDIA, its ptxas -v log."""
+    kernel, kwargs = launch.fn, dict(launch.kwargs)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
     if fp_fusion is not None:
         options["enable_fp_fusion"] = fp_fusion
-    values = dict(zip(kernel.arg_names, args)) | kwargs
+    values = dict(zip(kernel.arg_names, launch.args)) | kwargs
     signature, constants, attrs = {}, {}, {}
-    for index, name in enumerate(kernel.arg_names):
-        value = values[name]
+    for index, arg in enumerate(kernel.arg_names):
+        value = values[arg]
         if index in kernel.constexprs or (type(value) is int and value == 1):
-            signature[name], constants[(index,)] = "constexpr", value
+            signature[arg], constants[(index,)] = "constexpr", value
         elif isinstance(value, torch.Tensor):
-            signature[name] = POINTER_TYPES[value.dtype]
+            signature[arg] = POINTER_TYPES[value.dtype]
             attrs[(index,)] = [["tt.divisibility", 16]]
         elif isinstance(value, float):
-            signature[name] = "fp32"
+            signature[arg] = "fp32"
         else:
-            signature[name] = "i32" if -(2**31) <= value < 2**31 else "i64"
+            signature[arg] = "i32" if -(2**31) <= value < 2**31 else "i64"
             if value % 16 == 0:
                 attrs[(index,)] = [["tt.divisibility", 16]]
     source = ASTSource(fn=kernel, signature=signature, constexprs=constants, attrs=attrs)
@@ -112,26 +101,22 @@ def compile_for_hopper(kernel, args: tuple, kwargs: dict, fp_fusion: bool | None
     with triton.knobs.compilation.scope(), triton.knobs.nvidia.scope(), redirect_stdout(log):
         triton.knobs.compilation.always_compile = True
         triton.knobs.nvidia.dump_ptxas_log = True
-        compiled = triton.compile(source, target=HOPPER, options=options)
+        compiled = triton.compile(source, target=target.target, options=options)
     return compiled, log.getvalue()
 
 
-def ptxas_resources(ptxas_log: str) -> tuple[int, int]:
-    """(registers per thread, spill bytes) as ptxas -v reports them."""
-    registers = re.search(r"Used (\d+) registers", ptxas_log)
-    if registers is None:
-        raise RuntimeError(f"no register count in Triton's ptxas log: {ptxas_log[-500:]!r}")
-    spills = sum(int(n) for n in re.findall(r"(\d+) bytes spill (?:stores|loads)", ptxas_log))
-    return int(registers.group(1)), spills
+def assembly(target: Target, compiled) -> str:
+    return compiled.asm["amdgcn" if target.amd else "ptx"]
 
 
-def matrix_instructions(ptx: str) -> str:
-    """The tensor-core instructions a kernel's dots became, e.g. "wgmma m64n128k16 bf16"; "none" for
-    a kernel without dots or with ieee fp32 dots, which run on the FMA units."""
-    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.", ptx)))
+def matrix_instructions(target: Target, code: str) -> str:
+    """The tensor-core instructions a kernel's dots became, e.g. "wgmma m64n128k16 bf16"; "none" for a
+    kernel without dots or with ieee fp32 dots, which run on the FMA units."""
+    shapes = sorted(set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.f32\.(\w+)\.", code)))
     if shapes:
         return " ".join(f"wgmma {shape} {dtype}" for shape, dtype in shapes)
-    return "mma.sync" if "mma.sync" in ptx else "none"
+    found = re.search(target.tensor_core, code) or re.search(r"mma\.sync\.aligned|tcgen05\.mma|v_mfma_\w+", code)
+    return found.group(0).rstrip("._") if found else "none"
 
 
 def fused_multiply_adds(ptx: str) -> int:
@@ -140,185 +125,154 @@ def fused_multiply_adds(ptx: str) -> int:
     return len(re.findall(r"^\s*fma\.", ptx, flags=re.MULTILINE))
 
 
-def name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def build(target: Target, launch: Launch, fp_fusion: bool) -> dict:
+    """One launch built for one target, checked: a row of the matrix."""
+    offered = launch.offered(target.limits)
+    row = dict.fromkeys(FIELDS, "") | dict(
+        triton=triton.__version__, target=target.name, kernel=launch.kernel, variant=launch.variant, offered=offered
+    )
+    try:
+        compiled, log = compile_for(target, launch)
+        shared = compiled.metadata.shared
+        code = assembly(target, compiled)
+        used = amdgcn_resources(code, shared) if target.amd else ptxas_resources(log, shared)
+        fmas = None
+        # Built again with the other fp-fusion setting, unless the launch sets it itself.
+        if fp_fusion and target.name == "sm_90a" and "enable_fp_fusion" not in launch.kwargs:
+            fused = compiled.metadata.enable_fp_fusion
+            other, _ = compile_for(target, launch, fp_fusion=not fused)
+            fmas = {fused: fused_multiply_adds(code), not fused: fused_multiply_adds(other.asm["ptx"])}
+    except Exception as exc:  # a kernel that does not compile for a target is this tool's finding
+        row["status"] = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        return row
+    warps = compiled.metadata.num_warps
+    occupied = occupancy(target, used, warps)
+    mma = matrix_instructions(target, code)
+    needs_tensor_core = launch.kernel == "patch_embed" and not launch.variant.startswith("float32")
+    row |= dict(
+        registers=used.registers,
+        spill_bytes=used.spill_bytes,
+        sgpr_spills=used.scalar_spills,
+        shared_bytes=used.shared,
+        occupancy=f"{occupied:.3f}",
+        mma=mma,
+        fmas=f"{fmas[True]}/{fmas[False]}" if fmas else "",
+    )
+    if used.spill_bytes:
+        row["status"] = "SPILLS"
+    elif used.shared > target.shared_per_block:
+        row["status"] = "DOES NOT FIT"
+    elif occupied < FLOORS[launch.kernel]:
+        row["status"] = "LOW OCCUPANCY"
+    elif needs_tensor_core and not re.search(target.tensor_core, code):
+        row["status"] = "NO TENSOR CORES"
+    elif fmas and fmas[True] != fmas[False]:
+        row["status"] = "FUSION CHANGES RESULTS"
+    else:
+        row["status"] = "ok"
+    return row
 
 
-def tuned_launches(dtype_label: str, configs: list[triton.Config]):
-    """(variant, launch meta-parameters) of each autotune candidate; blocks named in the config's order."""
-    for config in configs:
-        blocks = "x".join(map(str, config.kwargs.values()))
-        variant = f"{dtype_label}, {blocks}, {config.num_warps} warps, {config.num_stages} stages"
-        yield variant, dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+_TASKS: list[tuple[Target, Launch, bool]] = []  # set before the worker processes fork
 
 
-def layer_launches(dtype: torch.dtype):
-    """(kernel, variant, jit function, args, kwargs) of the encoder layer's kernels in ``dtype``."""
-    tokens = BATCH * PATCHES
-    clamps = torch.tensor([[-1.0, 1.0]] * 3)
-    ids = torch.randint(0, POSITIONS, (tokens, 2))
-    for hidden, heads, head_dim, intermediate in LAYER_SHAPES:
-        qkv = torch.randn(tokens, 3 * heads * head_dim).to(dtype)
-        weight, inv_freq = torch.ones(head_dim).to(dtype), torch.ones(head_dim // 4)
-        x = torch.randn(tokens, hidden).to(dtype)
-        norm_weight = torch.ones(hidden).to(dtype)
-        gate_up = torch.randn(tokens, 2 * intermediate).to(dtype)
-        for clipped in (None, clamps):
-            label = f"{name(dtype)}, d={head_dim}{', clamps' if clipped is not None else ''}"
-            call = lambda: qkv_norm_rope_kernels.qkv_norm_rope(  # noqa: E731
-                qkv, ids, weight, weight, inv_freq, heads, heads, 1e-6, clipped
-            )
-            ((args, kwargs),) = capture_launches(qkv_norm_rope_kernels, ("_qkv_norm_rope_kernel",), call)
-            yield "qkv_norm_rope", label, qkv_norm_rope_kernels._qkv_norm_rope_kernel, args, kwargs
-
-            label = f"{name(dtype)}, I={intermediate}{', clamps' if clipped is not None else ''}"
-            call = lambda: gelu_gate_kernels.gelu_gate(gate_up, clipped)  # noqa: E731
-            ((args, kwargs),) = capture_launches(gelu_gate_kernels, ("_gelu_gate_kernel",), call)
-            yield "gelu_gate", label, gelu_gate_kernels._gelu_gate_kernel, args, kwargs
-        for next_weight in (norm_weight, None):
-            label = f"{name(dtype)}, D={hidden}{'' if next_weight is not None else ', last layer'}"
-            call = lambda: residual_rms_norm_kernels.residual_rms_norm(x, x, norm_weight, next_weight, 1e-6)  # noqa: E731
-            ((args, kwargs),) = capture_launches(residual_rms_norm_kernels, ("_residual_rms_norm_kernel",), call)
-            yield "residual_rms_norm", label, residual_rms_norm_kernels._residual_rms_norm_kernel, args, kwargs
+def _build_task(index: int) -> dict:
+    return build(*_TASKS[index])
 
 
-def launches():
-    """(kernel, variant, jit function, args, kwargs) for every kernel and GPU launch config."""
-    torch.manual_seed(0)
-    ids = torch.randint(0, POSITIONS, (BATCH, PATCHES, 2))
-    padding = reference.default_padding_positions(ids)
-    # The slot pass's blocks grow with N and L, and it never sees the hidden states: real image sizes.
-    for seq_len, output_length in ((2520, 280), (10080, 1120)):
-        item_ids = torch.randint(0, POSITIONS, (1, seq_len, 2))
-        item_padding = reference.default_padding_positions(item_ids)
-        hidden_states = torch.randn(1, seq_len, 16)
-        call = lambda: pool_by_positions_kernels.pool_by_positions(
-            hidden_states, item_ids, item_padding, output_length, 3
-        )  # noqa: E731
-        (args, kwargs), _ = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
-        yield (
-            "patch_slots",
-            f"N={seq_len}, L={output_length}",
-            pool_by_positions_kernels._patch_slots_kernel,
-            args,
-            kwargs,
-        )
-    for dtype in DTYPES:
-        yield from layer_launches(dtype)
-        table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
-        for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
-            call = lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
-            ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_position_embeddings_kernel",), call)
-            variant = f"{name(dtype)}{' + residual' if residual is not None else ''}"
-            yield "position_embeddings", variant, position_embeddings_kernels._position_embeddings_kernel, args, kwargs
+def failed(row: dict) -> bool:
+    return row["offered"] and row["status"] != "ok"
 
-        grad = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: position_embeddings_kernels.table_grad(grad, ids, padding, POSITIONS)  # noqa: E731
-        ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_table_grad_kernel",), call)
-        yield "table_grad", name(dtype), position_embeddings_kernels._table_grad_kernel, args, kwargs
 
-        hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
-        _, (args, kwargs) = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
-        # Both roundings of the average: transformers' (rounded to the dtype) and EmbeddingGemma2's (fp32).
-        averages = ((True, ""), (False, ", fp32 average"))
-        for variant, meta in tuned_launches(name(dtype), pool_by_positions_kernels.gpu_configs(dtype)):
-            for rounded, label in averages:
-                launch = kwargs | meta | {"ROUND_AVERAGE": rounded}
-                yield (
-                    "pool_by_positions",
-                    variant + label,
-                    pool_by_positions_kernels._pool_by_positions_kernel,
-                    args,
-                    launch,
-                )
+def unserved(targets: list[Target]) -> list[str]:
+    """Each (target, autotuned kernel, dtype) whose launcher would be offered no candidate."""
+    return [
+        f"{target.name}: {module.__name__} offers no {name(dtype)} candidate"
+        for target in targets
+        for module in (patch_embed, pool_by_positions)
+        for dtype in DTYPES
+        if not module.gpu_configs(dtype, target.limits)
+    ]
 
-        grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
-        call = lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
-        _, (args, kwargs) = capture_launches(
-            pool_by_positions_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call
-        )
-        for rounded, label in averages:
-            launch = kwargs | {"ROUND_AVERAGE": rounded}
-            yield (
-                "pool_backward",
-                name(dtype) + label,
-                pool_by_positions_kernels._hidden_states_grad_kernel,
-                args,
-                launch,
-            )
 
-        weight = torch.randn(HIDDEN, FEATURES).to(dtype)
-        # fp16 pixels take a branch of their own in the prologue (the fp16 doubling)
-        half_pixels = (torch.float32, torch.bfloat16, torch.float16)
-        for pixel_dtype in half_pixels if dtype == torch.bfloat16 else (torch.float32,):
-            pixels = torch.rand(BATCH, PATCHES, FEATURES).to(pixel_dtype)
-            call = lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)  # noqa: E731
-            ((args, kwargs),) = capture_launches(patch_embed_kernels, ("_patch_embed_tuned",), call)
-            dtype_label = f"{name(dtype)}, {name(pixel_dtype)} pixels"
-            for variant, meta in tuned_launches(dtype_label, patch_embed_kernels.gpu_configs(dtype)):
-                yield "patch_embed", variant, patch_embed_kernels._patch_embed_kernel, args, kwargs | meta
+def markdown(folder: Path) -> str:
+    """One row per kernel x target and a column per Triton: the worst launch the launcher offers there
+    (the least occupancy among those that fail first), as registers / shared memory / occupancy."""
+    cells, versions = defaultdict(dict), set()
+    for path in sorted(folder.glob("build_matrix-*.csv")):
+        with open(path, newline="") as f:
+            for row in csv.DictReader(f):
+                if row["offered"] != "True":
+                    continue
+                versions.add(row["triton"])
+                key, cell = (row["kernel"], row["target"]), cells[row["kernel"], row["target"]]
+                worst = cell.get(row["triton"])
+                rank = (row["status"] == "ok", float(row["occupancy"] or 0))
+                if worst is None or rank < (worst["status"] == "ok", float(worst["occupancy"] or 0)):
+                    cells[key][row["triton"]] = row
+    versions = sorted(versions, key=lambda v: tuple(map(int, v.split("."))))
+    lines = [
+        "| kernel | target | " + " | ".join(f"Triton {v}" for v in versions) + " |",
+        "|---|---|" + "---|" * len(versions),
+    ]
+    order = {name: index for index, name in enumerate(TARGETS)}
+    for kernel, target in sorted(cells, key=lambda key: (list(FLOORS).index(key[0]), order[key[1]])):
+        row = [kernel, target]
+        for version in versions:
+            worst = cells[kernel, target].get(version)
+            if worst is None:
+                row.append("-")
+                continue
+            text = f"{worst['registers']} r, {int(worst['shared_bytes'] or 0) / KIB:.0f} KiB, "
+            text += f"{100 * float(worst['occupancy'] or 0):.0f} %"
+            if int(worst["spill_bytes"] or 0):
+                text += f", {worst['spill_bytes']} B spilled"
+            row.append(text if worst["status"] == "ok" else f"**{worst['status']}** ({text})")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, help="also write hopper_compile.csv here")
+    parser.add_argument("--targets", default=",".join(TARGETS), help="comma-separated, of: " + ", ".join(TARGETS))
+    parser.add_argument("--kernels", help="comma-separated kernel names (default: all)")
+    parser.add_argument("--out", type=Path, help="also write build_matrix-<triton version>.csv here")
+    parser.add_argument("--markdown", type=Path, metavar="DIR", help="print the table of DIR's CSVs; build nothing")
+    parser.add_argument("--jobs", type=int, default=multiprocessing.cpu_count(), help="builds in parallel")
     parser.add_argument(
-        "--fp-fusion",
-        action="store_true",
-        help="also build each kernel with fp fusion flipped and compare (twice the time)",
+        "--fp-fusion", action="store_true", help="on sm_90a, also build with fp fusion flipped and compare"
     )
     args = parser.parse_args()
+    if args.markdown:
+        print(markdown(args.markdown))
+        return 0
     if interpreting():
-        sys.exit("hopper_compile: unset TRITON_INTERPRET; the interpreter's @triton.jit builds nothing to compile")
-
-    rows, failed = [], False
-    for kernel_name, variant, kernel, launch_args, launch_kwargs in launches():
-        row = dict(kernel=kernel_name, variant=variant, shared_bytes="", registers="", spill_bytes="", mma="", fmas="")
-        try:
-            compiled, ptxas_log = compile_for_hopper(kernel, launch_args, launch_kwargs)
-            registers, spills = ptxas_resources(ptxas_log)
-            fmas = {}
-            if args.fp_fusion and "enable_fp_fusion" not in launch_kwargs:  # a launch that sets it is exempt
-                # Built again with the other fp-fusion setting (Triton 3.10 turns it off by default): the
-                # results may not depend on it, so the fused multiply-adds must be the same.
-                fused = compiled.metadata.enable_fp_fusion
-                other, _ = compile_for_hopper(kernel, launch_args, launch_kwargs, fp_fusion=not fused)
-                fmas = {
-                    fused: fused_multiply_adds(compiled.asm["ptx"]),
-                    not fused: fused_multiply_adds(other.asm["ptx"]),
-                }
-        except Exception as exc:  # a kernel that does not compile for the GPU is this script's finding
-            row["status"] = f"does not compile: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            failed = True
-        else:
-            mma = matrix_instructions(compiled.asm["ptx"])
-            fits = compiled.metadata.shared <= SHARED_MEMORY_PER_BLOCK and spills == 0
-            needs_wgmma = kernel_name == "patch_embed" and not variant.startswith("float32")
-            row |= dict(shared_bytes=compiled.metadata.shared, registers=registers, spill_bytes=spills, mma=mma)
-            row["fmas"] = f"{fmas[True]}/{fmas[False]}" if fmas else ""
-            if not fits:
-                row["status"] = "DOES NOT FIT"
-            elif needs_wgmma and "wgmma" not in mma:
-                row["status"] = "NO WGMMA"
-            elif fmas and fmas[True] != fmas[False]:
-                row["status"] = "FUSION CHANGES RESULTS"
-            else:
-                row["status"] = "ok"
-            failed |= row["status"] != "ok"
-        rows.append(row)
-        print(
-            f"{kernel_name:18} {variant:50} smem {row['shared_bytes']!s:>7} regs {row['registers']!s:>4} "
-            f"spills {row['spill_bytes']!s:>4}  {row['mma'] or '-':24} fma {row['fmas'] or '-':>9} {row['status']}",
-            flush=True,
-        )
+        sys.exit("build_matrix: unset TRITON_INTERPRET; the interpreter's @triton.jit builds nothing to compile")
+    targets = [TARGETS[name] for name in args.targets.split(",")]
+    chosen = [launch for launch in launches() if not args.kernels or launch.kernel in args.kernels.split(",")]
+    _TASKS[:] = [(target, launch, args.fp_fusion) for target in targets for launch in chosen]
+    rows = []
+    with ProcessPoolExecutor(args.jobs, mp_context=multiprocessing.get_context("fork")) as pool:
+        for row in pool.map(_build_task, range(len(_TASKS))):
+            rows.append(row)
+            offered = "" if row["offered"] else " (not offered)"
+            print(
+                f"{row['target']:8} {row['kernel']:18} {row['variant']:50} smem {row['shared_bytes']!s:>6} "
+                f"regs {row['registers']!s:>3} spills {row['spill_bytes']!s:>4} occ {row['occupancy'] or '-':>5} "
+                f"{row['mma'] or '-':24} fma {row['fmas'] or '-':>9} {row['status']}{offered}",
+                flush=True,
+            )
+    problems = [f"{r['target']} {r['kernel']} {r['variant']}: {r['status']}" for r in rows if failed(r)]
+    problems += unserved(targets)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
-        with open(args.out / "hopper_compile.csv", "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        with open(args.out / f"build_matrix-{triton.__version__}.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=FIELDS)
             writer.writeheader()
             writer.writerows(rows)
-    return 1 if failed else 0
+    print(f"build_matrix: Triton {triton.__version__}, {len(rows)} builds, {len(problems)} failures")
+    print("\n".join(problems))
+    return 1 if problems else 0
 
 
 if __name__ == "__main__":
