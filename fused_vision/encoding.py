@@ -11,15 +11,16 @@ standardized as the release's ``Gemma4VisionModel.forward`` does. A patched and 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
-import warnings
 from collections.abc import Iterable, Sequence
 
 import torch
 from torch import nn
 
 from . import gemma4, packed, planner
+from ._chunks import HalvingChunks
 from ._dispatch import warn_once
 from .attention import configured_attention
 
@@ -57,8 +58,27 @@ def _resolve_tower(model: nn.Module) -> nn.Module:
     )
 
 
-def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-    """Per-item (N_i, K) pixels and (N_i, 2) ids, and whether the input was one stacked tensor."""
+@dataclasses.dataclass(frozen=True)
+class _Items:
+    """``encode_images``' inputs, checked once: per-item (N_i, K) pixels and (N_i, 2) ids, and the (B, N, K)
+    and (B, N, 2) tensors they are rows of where the caller gave those."""
+
+    pixels: list[torch.Tensor]
+    ids: list[torch.Tensor]
+    stacked: tuple[torch.Tensor, torch.Tensor] | None
+
+    def chunk(self, selected: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Items ``selected`` (N alike) as (n, N, K) pixels and (n, N, 2) ids on ``device``: a slice of the
+        stacked input, whose one bucket holds every item in order, else a stack."""
+        if self.stacked is not None:
+            pixels, ids = (t[selected[0] : selected[-1] + 1] for t in self.stacked)
+        else:
+            pixels, ids = torch.stack([self.pixels[i] for i in selected]), torch.stack([self.ids[i] for i in selected])
+        return pixels.to(device), ids.to(device)
+
+
+def _items(pixel_values, pixel_position_ids) -> _Items:
+    """``pixel_values`` and ``pixel_position_ids`` checked and split per item."""
     stacked = isinstance(pixel_values, torch.Tensor)
     if stacked:
         if not isinstance(pixel_position_ids, torch.Tensor):
@@ -95,7 +115,7 @@ def _items(pixel_values, pixel_position_ids) -> tuple[list[torch.Tensor], list[t
             )
         pixels.append(p)
         ids.append(q)
-    return pixels, ids, stacked
+    return _Items(pixels, ids, (pixel_values, pixel_position_ids) if stacked else None)
 
 
 def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
@@ -217,7 +237,7 @@ def _max_batch(value) -> int | None:
 
 def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_encoder) -> list[torch.Tensor]:
     max_batch = _max_batch(max_batch)
-    pixels, ids, stacked = _items(pixel_values, pixel_position_ids)
+    items = _items(pixel_values, pixel_position_ids)
     table = tower.patch_embedder.position_embedding_table
     device, dtype = table.device, table.dtype
     if packed_encoder and not packed.attention_supported(tower.config):
@@ -227,53 +247,38 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_en
             stacklevel=3,
         )
     elif packed_encoder:
-        return _encode_packed(tower, pixels, ids, max_batch, device, dtype)
+        return _encode_packed(tower, items, max_batch, device, dtype)
 
     buckets: dict[int, list[int]] = {}
-    for index, item in enumerate(pixels):
+    for index, item in enumerate(items.pixels):
         buckets.setdefault(item.shape[0], []).append(index)
-    outputs: list[torch.Tensor | None] = [None] * len(pixels)
+    outputs: list[torch.Tensor | None] = [None] * len(items.pixels)
     # Each chunk's inputs are copied (stacked, or moved to the device) unless they are slices of one
     # stacked tensor already there: the copy is the chunk's too.
-    copies_inputs = not (stacked and pixel_values.device == device)
+    copies_inputs = items.stacked is None or items.stacked[0].device != device
     for patches, indices in buckets.items():
         first = indices[0]
-        input_bytes = patches * (pixels[first][0].nbytes + ids[first][0].nbytes) if copies_inputs else 0
-        path = _checked_path(tower, pixels, ids, indices)
+        input_bytes = patches * (items.pixels[first][0].nbytes + items.ids[first][0].nbytes) if copies_inputs else 0
+        path = _checked_path(tower, items, indices)
         chunk = int(_plan_chunk(len(indices), patches, tower, path, device, dtype, input_bytes))
-        shrunk: list[int] = []  # the chunk sizes that ran out of memory
         if max_batch is not None:
             chunk = min(chunk, max_batch)
-        chunk = max(1, min(chunk, len(indices)))
-        start = 0
-        while start < len(indices):
-            selected = indices[start : start + chunk]
-            # One item per call is the last resort: its out-of-memory error reaches the caller.
-            encoded = _encode_or_none(tower, pixel_values, pixel_position_ids, pixels, ids, selected, stacked, device)
-            if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
-                shrunk.append(chunk)
-                chunk //= 2
-                empty_cache(device)
-                continue
-            for index, tokens in zip(selected, encoded):
-                outputs[index] = tokens
-            start += len(selected)
-        if shrunk:
-            _warn_shrunk(shrunk, chunk, f"call of {patches} patches", stacklevel=4)
+        chunks = HalvingChunks(max(1, min(chunk, len(indices))), device)
+        encoded = chunks.run_consecutive(
+            len(indices),
+            lambda start, size: min(len(indices), start + size),
+            lambda start, end: _encode_chunk(tower, *items.chunk(indices[start:end], device)),
+        )
+        for index, tokens in zip(indices, encoded, strict=True):
+            outputs[index] = tokens
+        chunks.warn("encode_images", f"call of {patches} patches", stacklevel=3)
     return outputs  # type: ignore[return-value]
 
 
-def _warn_shrunk(shrunk: list[int], kept: int, calls: str, stacklevel: int) -> None:
-    """One RuntimeWarning for the chunk sizes that ran out of memory; ``stacklevel`` counts from here."""
-    sizes = " -> ".join(map(str, shrunk))
-    message = f"encode_images: out of memory at {sizes} items per {calls}; went on with {kept}"
-    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
-
-
-def _checked_path(tower, pixels, ids, indices) -> str:
+def _checked_path(tower, items: _Items, indices) -> str:
     """``planner_path`` for the items ``indices``, whose ids must be int64 where it is the stock one-hot."""
-    path = planner_path(tower, [(pixels[i], ids[i]) for i in indices])
-    not_int64 = [i for i in indices if ids[i].dtype != torch.int64] if path == "onehot" else []
+    path = planner_path(tower, [(items.pixels[i], items.ids[i]) for i in indices])
+    not_int64 = [i for i in indices if items.ids[i].dtype != torch.int64] if path == "onehot" else []
     if not_int64:
         raise TypeError(
             f"pixel_position_ids: item {not_int64[0]}: the tower runs transformers 5.5-5.9's stock one-hot "
@@ -304,14 +309,14 @@ def _real_patches(tower, pixels, ids) -> list[int]:
     return counts
 
 
-def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.Tensor]:
+def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch.Tensor]:
     """Packed calls filled in input order up to the planner's token budget; halved on out-of-memory."""
-    if not pixels:
+    if not items.pixels:
         return []
-    real = _real_patches(tower, pixels, ids)
-    path = _checked_path(tower, pixels, ids, range(len(pixels)))
+    real = _real_patches(tower, items.pixels, items.ids)
+    path = _checked_path(tower, items, range(len(real)))
     # Each call copies its items' real rows (concatenated, and moved to the device).
-    input_bytes = pixels[0][0].nbytes + ids[0][0].nbytes
+    input_bytes = items.pixels[0][0].nbytes + items.ids[0][0].nbytes
     budget = planner.plan_tokens(
         max(real),
         tower.config,
@@ -321,55 +326,22 @@ def _encode_packed(tower, pixels, ids, max_batch, device, dtype) -> list[torch.T
         extra_bytes_per_patch=input_bytes,
         attn_implementation=planner_attention(tower.config),
     )
-    cap = len(pixels) if max_batch is None else max_batch
-    outputs: list[torch.Tensor | None] = [None] * len(pixels)
-    shrunk: list[int] = []
-    pooler_float32 = gemma4.pooler_returns_float32()
-    start = 0
-    while start < len(pixels):
+
+    def fill(start: int, cap: int | None) -> int:
+        """The end of the call from ``start``: items in order while they fit the budget and the cap."""
         end, tokens = start + 1, real[start]
-        while end < len(pixels) and end - start < cap and tokens + real[end] <= budget:
+        while end < len(real) and (cap is None or end - start < cap) and tokens + real[end] <= budget:
             tokens += real[end]
             end += 1
-        try:
-            encoded = packed.encode(
-                tower, [p.to(device) for p in pixels[start:end]], [i.to(device) for i in ids[start:end]], pooler_float32
-            )
-        except torch.OutOfMemoryError:
-            if end - start == 1:
-                raise
-            encoded = None
-        if encoded is None:  # out of memory: the error and its frames are gone, so their tensors are too
-            shrunk.append(end - start)
-            cap = (end - start) // 2
-            empty_cache(device)
-            continue
-        outputs[start:end] = encoded
-        start = end
-    if shrunk:
-        _warn_shrunk(shrunk, cap, "packed call", stacklevel=5)
-    return outputs  # type: ignore[return-value]
+        return end
 
+    pooler_float32 = gemma4.pooler_returns_float32()
 
-def _encode_or_none(tower, pixel_values, pixel_position_ids, pixels, ids, selected, stacked, device):
-    """The chunk of items ``selected`` encoded, or None where more than one item ran out of memory."""
-    if stacked:  # one bucket holding every item in order: slice, do not copy
-        chunk_pixels = pixel_values[selected[0] : selected[-1] + 1]
-        chunk_ids = pixel_position_ids[selected[0] : selected[-1] + 1]
-    else:
-        chunk_pixels = torch.stack([pixels[i] for i in selected])
-        chunk_ids = torch.stack([ids[i] for i in selected])
-    try:
-        return _encode_chunk(tower, chunk_pixels.to(device), chunk_ids.to(device))
-    except torch.OutOfMemoryError:
-        if len(selected) == 1:
-            raise
-        return None
+    def encode(start: int, end: int) -> list[torch.Tensor]:
+        pixels = [p.to(device) for p in items.pixels[start:end]]
+        return packed.encode(tower, pixels, [i.to(device) for i in items.ids[start:end]], pooler_float32)
 
-
-def empty_cache(device: torch.device) -> None:
-    """Hand the caching allocator's free blocks back, so the smaller chunk does not meet the same fragments."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    elif device.type != "cpu" and hasattr(torch, device.type):
-        getattr(torch, device.type).empty_cache()
+    chunks = HalvingChunks(max_batch, device)
+    outputs = chunks.run_consecutive(len(real), fill, encode)
+    chunks.warn("encode_images", "packed call", stacklevel=4)
+    return outputs

@@ -26,12 +26,12 @@ import importlib
 import logging
 import os
 import sys
-import warnings
 
 import torch
 from torch import nn
 
 from . import encoding, gemma4, patching, planner
+from ._chunks import HalvingChunks
 from ._dispatch import warn_once
 
 __all__ = [
@@ -118,29 +118,17 @@ def _out_of_memory_guard(name: str, pixels_key: str):
             return stock(inputs, *args, **kwargs)
         call = _Call(self)
         token = _GUARDED.set(call)
-        failed: list[int] = []
+        chunks = HalvingChunks(None, self.vision_tower.patch_embedder.position_embedding_table.device)
+
+        def run(cap: int | None):
+            call.cap, call.chunks[:] = cap, []
+            return stock(inputs, *args, **kwargs)
+
         try:
-            while True:
-                call.chunks.clear()
-                try:
-                    return stock(inputs, *args, **kwargs)
-                except torch.OutOfMemoryError:
-                    failed.append(_failed_chunk(call, inputs[pixels_key]))
-                    if failed[-1] <= 1:
-                        raise
-                # Out of the handler: the error's frames, and the chunk's tensors they hold, are gone.
-                call.cap = failed[-1] // 2
-                encoding.empty_cache(self.vision_tower.patch_embedder.position_embedding_table.device)
+            return chunks.run(run, lambda cap: _failed_chunk(call, inputs[pixels_key]))
         finally:
             _GUARDED.reset(token)
-            if call.cap is not None:
-                outcome = "re-raised the last error" if failed[-1] <= 1 else f"re-ran with at most {call.cap}"
-                sizes = " -> ".join(map(str, failed))
-                warnings.warn(
-                    f"fused_vision: vLLM's {name} ran out of memory at {sizes} items per vision-tower call; {outcome}",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
+            chunks.warn(f"fused_vision: vLLM's {name}", "vision-tower call", stacklevel=2)
 
     guarded.__name__ = guarded.__qualname__ = name
     guarded.__doc__ = f"vLLM's ``{name}``, run again at half the chunk that runs out of memory."

@@ -202,7 +202,7 @@ def test_a_packed_call_that_runs_out_of_memory_is_halved(monkeypatch):
         return encode(tower, pixels, ids, pooler_float32)
 
     monkeypatch.setattr(fp, "encode", limited)
-    with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per packed call; went on with 1"):
+    with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per packed call; went on with at most 1"):
         got = encode_images(tower, pixels, ids)
     assert sizes == [7, 3] + [1] * 7
     for index, (g, e) in enumerate(zip(got, expected, strict=True)):

@@ -355,9 +355,9 @@ def assert_within_one_rounding(got, expected, what):
 @pytest.mark.parametrize(
     "method, limit, sizes, message",
     [
-        ("_process_video_input", 2, [5, 2, 2, 1], "at 5 items per vision-tower call; re-ran with at most 2"),
+        ("_process_video_input", 2, [5, 2, 2, 1], "at 5 items per vision-tower call; went on with at most 2"),
         # the second bucket's chunk ran out, not the first's: cut to its 3 items, then halved
-        ("_process_image_input", 2, [2, 3, 1, 1, 1, 1, 1], "at 3 items per vision-tower call; re-ran with at most 1"),
+        ("_process_image_input", 2, [2, 3, 1, 1, 1, 1, 1], "at 3 items per vision-tower call; went on with at most 1"),
     ],
     ids=["video", "images"],
 )
