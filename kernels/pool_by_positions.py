@@ -254,7 +254,8 @@ def patch_slots(
     overflow = torch.empty((batch,), dtype=torch.int32, device=device)
     if batch == 0:
         return codes, bounds, mask, overflow
-    # One program per item: wide blocks keep its three passes short.
+    # One program per item: wide blocks keep its three passes short; 8 warps, since at 4 a 1024-wide block
+    # spills on sm_80 to sm_89 (bench/tools/build_matrix.py).
     _patch_slots_kernel[(batch,)](
         position_ids,
         padding_positions.view(torch.uint8),
@@ -269,7 +270,7 @@ def patch_slots(
         *padding_positions.stride(),
         BLOCK_N=min(1024, triton.next_power_of_2(seq_len)),
         BLOCK_S=min(1024, triton.next_power_of_2(output_length)),
-        num_warps=4,
+        num_warps=8,
     )
     return codes, bounds, mask, overflow
 
