@@ -174,15 +174,31 @@ def test_rocm_runs_the_kernels_with_tiles_that_fit_its_lds(rocm_gfx942):
     assert len(pool_by_positions_kernels.gpu_configs(torch.bfloat16, limits)) == 2
 
 
+HOPPER_TILES = {(128, 128, 64, 3), (128, 128, 32, 4), (64, 256, 64, 3), (64, 128, 64, 4), (128, 64, 64, 4)}
+
+
 @pytest.mark.parametrize(
     "arch,shared,expected",
-    [("sm_90", 232448, 5), ("sm_80", 166912, 2), ("sm_86", 101376, 1), ("sm_120", 101376, 1)],
+    [
+        ("sm_90", 232448, HOPPER_TILES | {(128, 128, 32, 2)}),
+        ("sm_80", 166912, {(64, 256, 64, 3), (128, 128, 32, 2)}),
+        ("sm_86", 101376, {(128, 128, 32, 2)}),
+        ("sm_120", 101376, {(128, 128, 32, 4), (128, 128, 32, 2)}),
+    ],
 )
-def test_nvidia_tiles_per_architecture(arch, shared, expected):
+def test_nvidia_embedder_tiles_per_architecture(arch, shared, expected):
     """Hopper and Blackwell keep every big tile; mma.sync's architectures only those that neither spill nor
-    overflow there (bench/tools/build_matrix.py's findings)."""
+    overflow there (bench/tools/build_matrix.py's findings), and every one the two-stage tile."""
     offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _dispatch.DeviceLimits(arch, shared, 32))
-    assert len(offered) == expected
+    tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.kwargs["BLOCK_K"], c.num_stages) for c in offered}
+    assert tiles == expected
+
+
+def test_the_fp32_pooler_offers_sm80_only_the_tiles_that_do_not_spill_there():
+    ampere = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_80", 166912, 32))
+    assert {(c.kwargs["BLOCK_S"], c.kwargs["BLOCK_N"], c.num_warps) for c in ampere} == {(32, 32, 4), (32, 64, 8)}
+    hopper = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_90", 232448, 32))
+    assert len(hopper) == 5
 
 
 def test_rocm_attention_takes_a_varlen_kernel(rocm_gfx942, monkeypatch):
