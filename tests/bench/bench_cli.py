@@ -2,7 +2,7 @@
 
 import csv
 
-from fused_vision.__main__ import main
+from fused_vision.bench.cli import main
 
 from conftest import DEVICE
 

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from fused_vision.__main__ import main
 from fused_vision.bench import Case, plan, report, runner, targets
+from fused_vision.bench.cli import main
 from fused_vision.bench.encoder import ENCODER_TOWERS
 from fused_vision.bench.layer_ops import LAYER_OPS
 from fused_vision.bench.ops import (

@@ -7,8 +7,8 @@ import sys
 import pytest
 import torch
 
-from fused_vision.__main__ import _parser
 from fused_vision.bench import Case, encoder, plan, runner
+from fused_vision.bench.cli import build_parser
 from fused_vision.bench.targets import ENCODER_TARGETS, EncoderTarget, MatmulShare
 from fused_vision.bench.tower import build_tower, tower_shape
 
@@ -144,7 +144,7 @@ def test_the_defaults_add_the_encoders(tmp_path):
     assert gpu.encoder_ops == ("encoder_e2b_e4b", "encoder_26b_31b")
     assert set(encoder.ENCODER_PROVIDERS) <= set(gpu.providers) == set(gpu.encoder_providers)
     assert [case.name for case in gpu.encoder_cases] == ["image_8x280", "video_32x70", "image_8x1120"]
-    assert _parser().parse_args(["bench", "--ops", "encoder"]).ops == ("encoder_e2b_e4b", "encoder_26b_31b")
+    assert build_parser().parse_args(["bench", "--ops", "encoder"]).ops == ("encoder_e2b_e4b", "encoder_26b_31b")
 
 
 def test_the_encoder_targets_are_judged_from_the_rows():
