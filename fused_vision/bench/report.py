@@ -4,7 +4,6 @@ Rows of Triton's interpreter (``timing`` "correctness", a CPU's fused and fused_
 correctness runs and never compared with any other provider. No absolute path reaches a file (``portable``).
 """
 
-import csv
 from collections import defaultdict
 from pathlib import Path
 
@@ -12,6 +11,7 @@ from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
 from .layer_ops import LAYER_OPS
 from .measure import Ceiling
 from .plots import plot
+from .rows import COLUMNS, ENVIRONMENT_COLUMNS, LOW_MEMORY_COLUMNS, write_csv
 from .targets import (
     ENCODER_TARGETS,
     GOALS,
@@ -34,30 +34,7 @@ from .text import (
     speed_rows,
 )
 
-ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
-COLUMNS = (
-    "op", "provider", "case", "B", "N", "D", "dtype",
-    "ms_p50", "ms_p20", "ms_p80", "reps", "timing",
-    "peak_bytes", "peak_requested_bytes", "output_bytes",
-    "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
-    "items_per_s", "real_patches", "layers",
-    *ENVIRONMENT_COLUMNS,
-)  # fmt: skip
-LOW_MEMORY_COLUMNS = (
-    "workload", "case", "path", "chunk", "calls", "items", "seconds", "items_per_s", "peak_bytes", "status",
-    "emulated_total_bytes", "free_bytes",
-    *ENVIRONMENT_COLUMNS,
-)  # fmt: skip
 CEILING_OPS = ("copy", "matmul")
-
-
-def ceiling_row(ceiling: Ceiling, dtype: str) -> dict:
-    times = ceiling.times
-    row = dict(op=ceiling.name, provider="torch", case=ceiling.case, dtype=dtype, timing="speed")
-    row |= dict(ms_p50=times.p50, ms_p20=times.p20, ms_p80=times.p80, reps=times.reps)
-    if ceiling.flops:
-        return row | dict(tflops=ceiling.tflops, pct_of_matmul=100.0)
-    return row | dict(model_bytes=ceiling.bytes_moved, gbps=ceiling.gbps, pct_of_copy=100.0)
 
 
 def ceiling_text(ceiling: Ceiling) -> str:
@@ -79,20 +56,6 @@ def sorted_rows(rows: list[dict], ops: tuple[str, ...], providers: tuple[str, ..
         return op_order[row["op"]], row.get("D") or 0, case_order[row["case"]], provider_order.get(row["provider"], -1)
 
     return sorted(rows, key=key)
-
-
-def write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
-    """``rows`` under ``columns``; never called without rows (no file is better than an empty one)."""
-
-    def cell(value) -> str:
-        if value is None:
-            return ""
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(columns)
-        writer.writerows([cell(row.get(column)) for column in columns] for row in rows)
 
 
 def _table(header: list[str], body: list[list[str]]) -> list[str]:

@@ -42,6 +42,7 @@ from .measure import (
 )
 from .ops import Unsupported
 from .plan import OP_BENCHES, OPS, PROVIDERS, Options, Plan
+from .rows import SPEED, timing_row
 from .summary import summary_lines
 from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
 from .text import CORRECTNESS, low_memory_summary, portable, progress_summary, significant
@@ -190,26 +191,22 @@ class Session:
         if failure:  # skipped outside the handler, whose traceback holds the failed call's tensors
             self.skip(op, provider, case, hidden, failure)
             return None
-        row = dict(
-            op=op,
-            provider=provider,
-            case=case.name,
+        rates = {} if interpreted else self.rates(times.p50, model_bytes, flops)
+        row = timing_row(
+            op,
+            provider,
+            case.name,
+            self.dtype_name,
+            times,
+            timing=CORRECTNESS if interpreted else SPEED,
+            peak=peak,
             B=case.items,
             N=case.patches_per_item,
             D=hidden,
-            dtype=self.dtype_name,
-            ms_p50=times.p50,
-            ms_p20=times.p20,
-            ms_p80=times.p80,
-            reps=times.reps,
-            timing=CORRECTNESS if interpreted else "speed",
-            peak_bytes=peak.allocated,
-            peak_requested_bytes=peak.requested,
             output_bytes=tensor_bytes(result),
             model_bytes=model_bytes or None,
+            **rates,
         )
-        if not interpreted:
-            row |= self.rates(times.p50, model_bytes, flops)
         self.record(row, first_call_s)
         return result
 
@@ -249,7 +246,12 @@ class Session:
         self.copy = copy_ceiling(device, copy_elements, self.stem_budget)
         self.matmul = matmul_ceiling(device, matmul_size, self.dtype, self.stem_budget)
         for ceiling, dtype in ((self.copy, "float32"), (self.matmul, self.dtype_name)):
-            self.rows.append(report.ceiling_row(ceiling, dtype) | self.environment)
+            if ceiling.flops:
+                rates = dict(tflops=ceiling.tflops, pct_of_matmul=100.0)
+            else:
+                rates = dict(model_bytes=ceiling.bytes_moved, gbps=ceiling.gbps, pct_of_copy=100.0)
+            row = timing_row(ceiling.name, "torch", ceiling.case, dtype, ceiling.times, **rates)
+            self.rows.append(row | self.environment)
         self.log(
             f"  copy {significant(self.copy.gbps)} GB/s (read + write, {self.copy.case}; "
             f"{report.ceiling_text(self.copy)})"

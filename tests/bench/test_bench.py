@@ -26,6 +26,7 @@ from fused_vision.bench.ops import (
     PositionEmbeddings,
     PositionEmbeddingsBackward,
 )
+from fused_vision.bench.rows import COLUMNS, ENVIRONMENT_COLUMNS, LOW_MEMORY_COLUMNS
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
 from bench_cli import read_csv, reliable, run_cli
@@ -35,7 +36,7 @@ REQUIRED_COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype", "ms_p50", "ms_p20", "ms_p80", "peak_bytes", "model_bytes",
     "gbps", "pct_of_copy", "gpu", "torch", "triton", "transformers", "fused_vision",
 )  # fmt: skip
-TEXT_COLUMNS = {"op", "provider", "case", "dtype", "timing", *report.ENVIRONMENT_COLUMNS}
+TEXT_COLUMNS = {"op", "provider", "case", "dtype", "timing", *ENVIRONMENT_COLUMNS}
 TOWERS = ("tower_e2b_e4b", "tower_26b_31b")
 
 
@@ -43,7 +44,7 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     out = run_cli(tmp_path, "--ops", "all", "--providers", "onehot,embedding,fused,fused_kernel")
 
     columns, rows = read_csv(out / "results.csv")
-    assert columns == report.COLUMNS
+    assert columns == COLUMNS
     assert set(REQUIRED_COLUMNS) <= set(columns)
     measured = {(row["op"], row["provider"]) for row in rows}
     expected = {("copy", "torch"), ("matmul", "torch")}
@@ -101,7 +102,7 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     log = (out / "log.txt").read_text()
     assert "fused vs onehot output: max |diff|" in log, "the towers compare their outputs"
     columns, rows = read_csv(out / "low_memory.csv")
-    assert columns == report.LOW_MEMORY_COLUMNS
+    assert columns == LOW_MEMORY_COLUMNS
     chunks = sorted((row["path"], row["case"], int(row["chunk"])) for row in rows)
     if DEVICE.type == "cuda":
         assert [chunk[:2] for chunk in chunks] == [
