@@ -1,11 +1,11 @@
 """The driver: what runs, in which order, within what time, and what each measurement becomes.
 
-Order: the two ceilings; every stem op's providers but ``compiled``, the target case first (its first
+Order: the two ceilings; every stem op's providers but ``compiled``, the headline case first (its first
 calls tune the kernels' tiles for the whole run); the layer ops, in the same order; the towers; the
 low-memory scenario; the encoders' providers but ``compiled``; the ``compiled`` providers last, the stem
 ops' then the encoders'. Compile times are the one part of the run nobody can predict, so a run past its
 time budget loses compiled rows first, never the towers or the scenario; among them the embedder's at the
-target case and width go first: the comparison a target is set on.
+headline case and default width go first: the comparison the project's goals are set on.
 
 The time budget caps the run: nothing starts that would end past it, as far as a like call's last
 duration predicts, so only a first call, whose length nothing predicts, can end after it. The run ends
@@ -41,13 +41,12 @@ from .measure import (
     time_call,
 )
 from .ops import Unsupported
-from .plan import OP_BENCHES, OPS, PROVIDERS, Options, Plan
+from .plan import DEFAULT_HIDDEN, OP_BENCHES, OPS, PROVIDERS, Options, Plan
 from .rows import SPEED, timing_row
 from .summary import summary_lines
-from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
 from .text import CORRECTNESS, low_memory_summary, portable, progress_summary, significant
 from .tower import bench_tower, run_low_memory
-from .workloads import Case
+from .workloads import HEADLINE_CASE, Case
 
 COMPILED_FIRST = ("patch_embed", "position_embeddings")  # then the other ops with a compiled provider
 TRITON_PROVIDERS = ("fused", "fused_kernel")  # of the stem, layer and tower ops: a CPU runs them interpreted
@@ -304,16 +303,16 @@ def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...
                 del bench
 
 
-def target_case_first(cases):
-    """The target case first (stable: the rest keep their order): each op's first call there tunes the tiles
-    that every case of the process then uses, so the goals are judged on tiles tuned at their own case."""
-    return sorted(cases, key=lambda case: case.name != TARGET_CASE)
+def headline_case_first(cases):
+    """The headline case first (stable: the rest keep their order): each op's first call there tunes the tiles
+    that every case of the process then uses, so its times come from tiles tuned at their own case."""
+    return sorted(cases, key=lambda case: case.name != HEADLINE_CASE)
 
 
 def run_sections(session: Session, plan: Plan) -> None:
     """Every section in the order of the module docstring; an error stops only its own section."""
     eager = tuple(p for p in plan.providers if p != "compiled")
-    stem_cases = target_case_first(plan.stem_cases)
+    stem_cases = headline_case_first(plan.stem_cases)
     session.guarded("stem ops", bench_stem, session, plan.stem_ops, eager, stem_cases, plan.hidden_sizes)
     if plan.layer_ops:
         session.guarded("layer ops", bench_stem, session, plan.layer_ops, eager, stem_cases, plan.hidden_sizes)
@@ -327,7 +326,7 @@ def run_sections(session: Session, plan: Plan) -> None:
     if "compiled" in plan.providers:
         first = tuple(op for op in COMPILED_FIRST if op in plan.stem_ops)
         ops = first + tuple(op for op in plan.stem_ops if op not in first)
-        hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != TARGET_HIDDEN)
+        hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != DEFAULT_HIDDEN)
         session.guarded("compiled", bench_stem, session, ops, ("compiled",), stem_cases, hidden_sizes)
     if "compiled" in plan.encoder_providers:
         for op in plan.encoder_ops:
@@ -368,9 +367,6 @@ def run(options: Options) -> Path:
             log("interrupted: writing the reports of what was measured so far")
         summary = summary_lines(session)
         written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(OP_BENCHES), summary)
-        found = verdicts(session.rows)
-        if found or options.device.type == "cuda":  # a CPU has no goal of these, which are set for a GPU
-            log(report.goal_summary(found))
         for index, line in enumerate(summary):
             log(line if index == 0 else f"  - {line}")
         seconds, cpu_seconds = time.monotonic() - session.started, time.process_time() - cpu_start
