@@ -12,6 +12,7 @@
 #                  at both towers' layer shapes), with syncs forbidden and in CUDA graphs
 #                                                                                  box 200 s, ~2 to 3 min
 #   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
+#                  then bench/goals.py: the project's goals judged from its results.csv
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
 #   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
 #                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
@@ -147,7 +148,9 @@ for name in "${steps[@]}"; do
     # xunit1: the XML keeps the figures the tests record (errors against float64, largest differences).
     gpu_tests) step gpu_tests "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
       -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" tests/gpu ;;
-    bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}" ;;
+    # A missed goal is a verdict, not a failure: only a goals script that cannot read the run fails the step.
+    bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
+      [ ! -f "$out/results.csv" ] || "$python" bench/goals.py "$out/results.csv" || status=1 ;;
     planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
     # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
     kernel_tests) step kernel_tests "$python" bench/tools/pytest_shards.py --out "$checks/kernel_tests" \

@@ -91,7 +91,7 @@ def run_packed(encoder: nn.Module, rows, ids, lengths, backend: str | None) -> t
     every replay of the call); fused (``fused_vision.fused_layer``) with a ``backend``, else stock's."""
     attention.install()
     packing = Packing.of(lengths, rows.device)
-    stock_kwargs = lambda: dict(attention_mask=packing)  # noqa: E731  (the fallback layers' attention mask)
+    stock_kwargs = lambda: dict(attention_mask=packing)  # the fallback layers' attention mask
     return fused_layer.run_layers(encoder, rows, ids, packing.attend, (1, rows.shape[0]), stock_kwargs, backend)
 
 

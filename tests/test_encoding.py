@@ -135,7 +135,8 @@ def test_encode_images_halves_a_chunk_that_runs_out_of_memory(monkeypatch, stack
     monkeypatch.setattr(fe, "_plan_chunk", lambda num_items, *args: num_items)  # all 7 in one call
     expected = encode_padded(tower, pixels, ids)
     sizes = out_of_memory_above(monkeypatch, tower.encoder, limit=2)
-    with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per call of 64 patches; went on with at most 1"):
+    warning = r"out of memory at 7 -> 3 items per call of 64 patches; went on with at most 1"
+    with pytest.warns(RuntimeWarning, match=warning):
         got = encode_padded(tower, pixels, ids)
     assert sizes == [7, 3] + [1] * 7, "halved on each error, and the smaller chunk kept for the rest"
     assert len(got) == len(expected)

@@ -237,7 +237,9 @@ def test_gpu_run_dry_run(tmp_path):
     tests and the bench; then the other steps, into a folder of their own (named by GPU_RUN_OUT this
     time). Each keeps the folder to a few files: the bench's, the log, and an archive of the rest."""
     first, second = tmp_path / "first", tmp_path / "second"
-    assert_ran(gpu_run_log(first, 0, "--out", str(first)), GPU_RUN_DEFAULT_STEPS)
+    first_log = gpu_run_log(first, 0, "--out", str(first))
+    assert_ran(first_log, GPU_RUN_DEFAULT_STEPS)
+    assert "### targets" in first_log, "bench/goals.py judges the bench's results.csv"
     assert sorted(path.name for path in first.iterdir()) == sorted([*BENCH_FILES, "checks.tgz", "gpu_run.log"])
     assert archived(first) == {"gpu_tests.xml"}
     rest = tuple(step for step in GPU_RUN_STEPS if step not in GPU_RUN_DEFAULT_STEPS)

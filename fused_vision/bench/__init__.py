@@ -1,6 +1,6 @@
 """The benchmark: fused_vision against the one-hot it replaces and its peers, on the present device.
 
-``python -m fused_vision bench`` (or ``fused-vision bench``) runs it; ``run(Options(...))`` is the same
+``python -m fused_vision bench`` (or ``fused-vision bench``, ``cli``) runs it; ``run(Options(...))`` is the same
 from Python. Providers, per op: ``onehot`` (transformers 5.5-5.9), ``embedding`` (5.10+, two
 F.embedding), ``compiled`` (torch.compile of the 5.10+ code; of the stock pooler), ``reference``
 (fused_vision's public op on its PyTorch path, what a CPU runs), ``fused`` (the public op, Triton

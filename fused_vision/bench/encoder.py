@@ -34,6 +34,7 @@ import fused_vision
 
 from .measure import Peak, call_peak, interleaved_times, synchronize, tensor_bytes
 from .ops import Unsupported, compile_static
+from .rows import timing_row
 from .tower import VISION_TOWERS, build_tower, tower_shape
 from .workloads import PATCH_FEATURES, PATCH_SIZE, POOLING_KERNEL, Case
 
@@ -266,8 +267,19 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
     items = ids.shape[0]
     for provider, (peak, output_bytes, first_call_s) in measured.items():
         ms = times[provider]
-        row = dict(op=op, provider=provider, case=mix.name, B=items, N=ids.shape[1], dtype=session.dtype_name)
-        row |= fields | dict(ms_p50=ms.p50, ms_p20=ms.p20, ms_p80=ms.p80, reps=ms.reps, timing="speed")
-        row |= dict(peak_bytes=peak.allocated, peak_requested_bytes=peak.requested, output_bytes=output_bytes)
-        row |= session.rates(ms.p50, 0, flops, floor=False)  # the tables judge a share of matmul, not a floor
-        session.record(row | dict(items_per_s=items / ms.p50 * 1e3), first_call_s)
+        rates = session.rates(ms.p50, 0, flops, floor=False)  # the tables show a share of matmul, not a floor
+        row = timing_row(
+            op,
+            provider,
+            mix.name,
+            session.dtype_name,
+            ms,
+            peak=peak,
+            B=items,
+            N=ids.shape[1],
+            output_bytes=output_bytes,
+            items_per_s=items / ms.p50 * 1e3,
+            **fields,
+            **rates,
+        )
+        session.record(row, first_call_s)

@@ -4,24 +4,13 @@ Rows of Triton's interpreter (``timing`` "correctness", a CPU's fused and fused_
 correctness runs and never compared with any other provider. No absolute path reaches a file (``portable``).
 """
 
-import csv
 from collections import defaultdict
 from pathlib import Path
 
 from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
-from .layer_ops import LAYER_OPS
 from .measure import Ceiling
 from .plots import plot
-from .targets import (
-    ENCODER_TARGETS,
-    GOALS,
-    LAYER_OP_TARGETS,
-    TARGET_CASE,
-    TARGET_DTYPE,
-    TARGET_HIDDEN,
-    Verdict,
-    verdicts,
-)
+from .rows import COLUMNS, ENVIRONMENT_COLUMNS, LOW_MEMORY_COLUMNS, write_csv
 from .text import (
     ABOVE_CEILING_NOTE,
     CORRECTNESS,
@@ -29,35 +18,13 @@ from .text import (
     format_bytes,
     format_ms,
     format_pct,
+    markdown_table,
     portable,
     significant,
     speed_rows,
 )
 
-ENVIRONMENT_COLUMNS = ("gpu", "torch", "triton", "transformers", "fused_vision")
-COLUMNS = (
-    "op", "provider", "case", "B", "N", "D", "dtype",
-    "ms_p50", "ms_p20", "ms_p80", "reps", "timing",
-    "peak_bytes", "peak_requested_bytes", "output_bytes",
-    "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
-    "items_per_s", "real_patches", "layers",
-    *ENVIRONMENT_COLUMNS,
-)  # fmt: skip
-LOW_MEMORY_COLUMNS = (
-    "workload", "case", "path", "chunk", "calls", "items", "seconds", "items_per_s", "peak_bytes", "status",
-    "emulated_total_bytes", "free_bytes",
-    *ENVIRONMENT_COLUMNS,
-)  # fmt: skip
 CEILING_OPS = ("copy", "matmul")
-
-
-def ceiling_row(ceiling: Ceiling, dtype: str) -> dict:
-    times = ceiling.times
-    row = dict(op=ceiling.name, provider="torch", case=ceiling.case, dtype=dtype, timing="speed")
-    row |= dict(ms_p50=times.p50, ms_p20=times.p20, ms_p80=times.p80, reps=times.reps)
-    if ceiling.flops:
-        return row | dict(tflops=ceiling.tflops, pct_of_matmul=100.0)
-    return row | dict(model_bytes=ceiling.bytes_moved, gbps=ceiling.gbps, pct_of_copy=100.0)
 
 
 def ceiling_text(ceiling: Ceiling) -> str:
@@ -79,26 +46,6 @@ def sorted_rows(rows: list[dict], ops: tuple[str, ...], providers: tuple[str, ..
         return op_order[row["op"]], row.get("D") or 0, case_order[row["case"]], provider_order.get(row["provider"], -1)
 
     return sorted(rows, key=key)
-
-
-def write_csv(path: Path, columns: tuple[str, ...], rows: list[dict]) -> None:
-    """``rows`` under ``columns``; never called without rows (no file is better than an empty one)."""
-
-    def cell(value) -> str:
-        if value is None:
-            return ""
-        return f"{value:.6g}" if isinstance(value, float) else str(value)
-
-    with path.open("w", newline="") as file:
-        writer = csv.writer(file)
-        writer.writerow(columns)
-        writer.writerows([cell(row.get(column)) for column in columns] for row in rows)
-
-
-def _table(header: list[str], body: list[list[str]]) -> list[str]:
-    """A markdown table, text left-aligned in the first column, numbers right-aligned in the others."""
-    lines = ["| " + " | ".join(header) + " |", "|---|" + "--:|" * (len(header) - 1)]
-    return lines + ["| " + " | ".join(cells) + " |" for cells in body] + [""]
 
 
 def _pct_of_floor(row: dict) -> float | None:
@@ -128,10 +75,9 @@ def _speed_ratio_columns(baseline: str | None, by_case: dict[str, dict[str, dict
     return [p for p in ("reference", "fused") if p in timed]
 
 
-def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...], device_type: str) -> list[str]:
+def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str, ...]) -> list[str]:
     """One table per (op, D): a row per case, a column per provider that ran, the baseline's time over each
-    timed fused_vision provider's (the one-hot's, or stock's for the layer ops); a layer op's caption judges its
-    target."""
+    timed fused_vision provider's (the one-hot's, or stock's for the layer ops)."""
     groups: dict[tuple[str, int, str], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         if row["op"] not in CEILING_OPS:
@@ -157,11 +103,7 @@ def op_tables(rows: list[dict], providers: tuple[str, ...], stem_ops: tuple[str,
                 timed = row is not None and base is not None and row.get("timing") != CORRECTNESS
                 cells.append(f"{significant(base['ms_p50'] / row['ms_p50'], 2)}×" if timed else "—")
             body.append(cells)
-        lines += [f"### {op} · D={hidden} · {dtype}", ""]
-        target = LAYER_OP_TARGETS.get(device_type) if op in LAYER_OPS else None
-        if target is not None:
-            lines += [target.judge([row for by_provider in by_case.values() for row in by_provider.values()]), ""]
-        lines += _table(header, body)
+        lines += [f"### {op} · D={hidden} · {dtype}", "", *markdown_table(header, body)]
     return lines
 
 
@@ -193,9 +135,9 @@ def _encoder_ratios(present) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if a in present and b in present]
 
 
-def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
+def encoder_tables(rows: list[dict], tiny: bool) -> list[str]:
     """One table per (op, dtype): a row per mix, each provider's items/s, peak and FLOP rate, packed's and
-    fused's ratios; the targets in the caption."""
+    fused's ratios."""
     groups: dict[tuple[str, str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
     for row in rows:
         groups[row["op"], row["dtype"], row["layers"]][row["case"]][row["provider"]] = row
@@ -214,8 +156,7 @@ def encoder_tables(rows: list[dict], device_type: str, tiny: bool) -> list[str]:
             f"{ENCODER_TOWERS[op]} with {layer_note(op, layers, tiny)}. TFLOP/s counts every provider's useful "
             "FLOPs alone, those on the real patches (attention within each item), so the rates compare."
         )
-        judged = [f"- {target.judge(by_case, dtype)}" for target in ENCODER_TARGETS[device_type]]
-        lines += [f"### {op} · {dtype}", "", note, "", *judged, "", *_table(header, body)]
+        lines += [f"### {op} · {dtype}", "", note, "", *markdown_table(header, body)]
     return lines
 
 
@@ -238,41 +179,7 @@ def low_memory_table(rows: list[dict]) -> list[str]:
         body.append(cells + [row["status"]])
     title = f"### low memory: 26B/31B tower on {'an emulated' if ran else 'a'} {total / 2**30:.0f} GiB card{with_free}"
     paths = "path onehot: vLLM's chunk (its one-hot price); fused: fused_vision's planner."
-    return [title, "", paths, "", *_table([*header, "status"], body)]
-
-
-def goal_summary(found: list[Verdict]) -> str:
-    """How many targets the target case met, which not, and which the run could not judge there."""
-    at_case = [verdict for verdict in found if verdict.at_target_case]
-    where = f"{TARGET_CASE}, D={TARGET_HIDDEN}, {TARGET_DTYPE}"
-    if not at_case:
-        return f"targets: not judged, this run has no fused row with its baseline at {where}"
-    missed = [f"{verdict.goal} ({verdict.provider})" for verdict in at_case if not verdict.met]
-    unjudged = [goal for goal in GOALS if goal not in {verdict.goal for verdict in at_case}]
-    summary = f"targets at {where}: {len(at_case) - len(missed)} of {len(at_case)} met"
-    summary += f"; not met: {', '.join(missed)}" if missed else ""
-    return summary + (f"; not judged (a row missing): {', '.join(unjudged)}" if unjudged else "")
-
-
-def _measured(verdict: Verdict) -> str:
-    if verdict.ratio is None:
-        counted = "allocated" if verdict.row.get("peak_requested_bytes") is None else "requested"
-        return f"{format_bytes(verdict.extra_bytes)} {counted}"
-    row, baseline = verdict.row, verdict.baseline
-    text = f"{significant(verdict.ratio, 2)}×: {format_ms(row['ms_p50'])} against {format_ms(baseline['ms_p50'])}"
-    if _pct_of_floor(row) is not None:
-        text += f" · {format_pct(_pct_of_floor(row))} of floor"
-    return text
-
-
-def goal_lines(rows: list[dict]) -> list[str]:
-    """The targets against this run's rows: a summary for the target case, then every verdict."""
-    found = verdicts(rows)
-    if not found:
-        return []
-    header = ["goal", "case", "D", "provider", "measured", "met"]
-    body = [[v.goal, v.case, str(v.hidden), v.provider, _measured(v), "yes" if v.met else "**no**"] for v in found]
-    return ["### targets", "", goal_summary(found) + ".", "", *_table(header, body)]
+    return [title, "", paths, "", *markdown_table([*header, "status"], body)]
 
 
 def skipped_lines(skipped: list[dict]) -> list[str]:
@@ -375,13 +282,12 @@ def markdown(session, rows: list[dict], providers: tuple[str, ...], stem_ops: tu
     ]
     encoder_rows = [row for row in rows if row["op"] in ENCODER_TOWERS]
     op_rows = [row for row in rows if row["op"] not in (*ENCODER_TOWERS, *CEILING_OPS)]
-    lines += goal_lines(rows)
     if op_rows:
         lines += _op_caption(op_rows, providers, device_type)
-        lines += op_tables(op_rows, providers, stem_ops, device_type)
+        lines += op_tables(op_rows, providers, stem_ops)
     if encoder_rows:
         lines += _encoder_caption(encoder_rows, device_type)
-        lines += encoder_tables(encoder_rows, device_type, session.options.tiny)
+        lines += encoder_tables(encoder_rows, session.options.tiny)
     lines += low_memory_table(session.low_memory_rows)
     lines += skipped_lines(session.skipped)
     return portable("\n".join(lines))

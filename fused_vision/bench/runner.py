@@ -1,11 +1,11 @@
 """The driver: what runs, in which order, within what time, and what each measurement becomes.
 
-Order: the two ceilings; every stem op's providers but ``compiled``, the target case first (its first
+Order: the two ceilings; every stem op's providers but ``compiled``, the headline case first (its first
 calls tune the kernels' tiles for the whole run); the layer ops, in the same order; the towers; the
 low-memory scenario; the encoders' providers but ``compiled``; the ``compiled`` providers last, the stem
 ops' then the encoders'. Compile times are the one part of the run nobody can predict, so a run past its
 time budget loses compiled rows first, never the towers or the scenario; among them the embedder's at the
-target case and width go first: the comparison a target is set on.
+headline case and default width go first: the comparison the project's goals are set on.
 
 The time budget caps the run: nothing starts that would end past it, as far as a like call's last
 duration predicts, so only a first call, whose length nothing predicts, can end after it. The run ends
@@ -41,12 +41,12 @@ from .measure import (
     time_call,
 )
 from .ops import Unsupported
-from .plan import OP_BENCHES, OPS, PROVIDERS, Options, Plan
+from .plan import DEFAULT_HIDDEN, OP_BENCHES, OPS, PROVIDERS, Options, Plan
+from .rows import SPEED, timing_row
 from .summary import summary_lines
-from .targets import TARGET_CASE, TARGET_HIDDEN, verdicts
 from .text import CORRECTNESS, low_memory_summary, portable, progress_summary, significant
 from .tower import bench_tower, run_low_memory
-from .workloads import Case
+from .workloads import HEADLINE_CASE, Case
 
 COMPILED_FIRST = ("patch_embed", "position_embeddings")  # then the other ops with a compiled provider
 TRITON_PROVIDERS = ("fused", "fused_kernel")  # of the stem, layer and tower ops: a CPU runs them interpreted
@@ -190,26 +190,22 @@ class Session:
         if failure:  # skipped outside the handler, whose traceback holds the failed call's tensors
             self.skip(op, provider, case, hidden, failure)
             return None
-        row = dict(
-            op=op,
-            provider=provider,
-            case=case.name,
+        rates = {} if interpreted else self.rates(times.p50, model_bytes, flops)
+        row = timing_row(
+            op,
+            provider,
+            case.name,
+            self.dtype_name,
+            times,
+            timing=CORRECTNESS if interpreted else SPEED,
+            peak=peak,
             B=case.items,
             N=case.patches_per_item,
             D=hidden,
-            dtype=self.dtype_name,
-            ms_p50=times.p50,
-            ms_p20=times.p20,
-            ms_p80=times.p80,
-            reps=times.reps,
-            timing=CORRECTNESS if interpreted else "speed",
-            peak_bytes=peak.allocated,
-            peak_requested_bytes=peak.requested,
             output_bytes=tensor_bytes(result),
             model_bytes=model_bytes or None,
+            **rates,
         )
-        if not interpreted:
-            row |= self.rates(times.p50, model_bytes, flops)
         self.record(row, first_call_s)
         return result
 
@@ -249,7 +245,12 @@ class Session:
         self.copy = copy_ceiling(device, copy_elements, self.stem_budget)
         self.matmul = matmul_ceiling(device, matmul_size, self.dtype, self.stem_budget)
         for ceiling, dtype in ((self.copy, "float32"), (self.matmul, self.dtype_name)):
-            self.rows.append(report.ceiling_row(ceiling, dtype) | self.environment)
+            if ceiling.flops:
+                rates = dict(tflops=ceiling.tflops, pct_of_matmul=100.0)
+            else:
+                rates = dict(model_bytes=ceiling.bytes_moved, gbps=ceiling.gbps, pct_of_copy=100.0)
+            row = timing_row(ceiling.name, "torch", ceiling.case, dtype, ceiling.times, **rates)
+            self.rows.append(row | self.environment)
         self.log(
             f"  copy {significant(self.copy.gbps)} GB/s (read + write, {self.copy.case}; "
             f"{report.ceiling_text(self.copy)})"
@@ -302,16 +303,16 @@ def bench_stem(session: Session, ops: tuple[str, ...], providers: tuple[str, ...
                 del bench
 
 
-def target_case_first(cases):
-    """The target case first (stable: the rest keep their order): each op's first call there tunes the tiles
-    that every case of the process then uses, so the goals are judged on tiles tuned at their own case."""
-    return sorted(cases, key=lambda case: case.name != TARGET_CASE)
+def headline_case_first(cases):
+    """The headline case first (stable: the rest keep their order): each op's first call there tunes the tiles
+    that every case of the process then uses, so its times come from tiles tuned at their own case."""
+    return sorted(cases, key=lambda case: case.name != HEADLINE_CASE)
 
 
 def run_sections(session: Session, plan: Plan) -> None:
     """Every section in the order of the module docstring; an error stops only its own section."""
     eager = tuple(p for p in plan.providers if p != "compiled")
-    stem_cases = target_case_first(plan.stem_cases)
+    stem_cases = headline_case_first(plan.stem_cases)
     session.guarded("stem ops", bench_stem, session, plan.stem_ops, eager, stem_cases, plan.hidden_sizes)
     if plan.layer_ops:
         session.guarded("layer ops", bench_stem, session, plan.layer_ops, eager, stem_cases, plan.hidden_sizes)
@@ -325,7 +326,7 @@ def run_sections(session: Session, plan: Plan) -> None:
     if "compiled" in plan.providers:
         first = tuple(op for op in COMPILED_FIRST if op in plan.stem_ops)
         ops = first + tuple(op for op in plan.stem_ops if op not in first)
-        hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != TARGET_HIDDEN)
+        hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != DEFAULT_HIDDEN)
         session.guarded("compiled", bench_stem, session, ops, ("compiled",), stem_cases, hidden_sizes)
     if "compiled" in plan.encoder_providers:
         for op in plan.encoder_ops:
@@ -366,9 +367,6 @@ def run(options: Options) -> Path:
             log("interrupted: writing the reports of what was measured so far")
         summary = summary_lines(session)
         written = report.write_all(session, options.out, PROVIDERS, OPS, tuple(OP_BENCHES), summary)
-        found = verdicts(session.rows)
-        if found or options.device.type == "cuda":  # a CPU has no goal of these, which are set for a GPU
-            log(report.goal_summary(found))
         for index, line in enumerate(summary):
             log(line if index == 0 else f"  - {line}")
         seconds, cpu_seconds = time.monotonic() - session.started, time.process_time() - cpu_start

@@ -80,6 +80,12 @@ def format_pct(pct: float) -> str:
     return f"{significant(pct, 2)}%" + (ABOVE_CEILING if pct > 100 else "")
 
 
+def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
+    """A markdown table, text left-aligned in the first column, numbers right-aligned in the others."""
+    lines = ["| " + " | ".join(header) + " |", "|---|" + "--:|" * (len(header) - 1)]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body] + [""]
+
+
 def progress_summary(row: dict) -> str:
     parts = [f"{format_ms(row['ms_p50'])} [{significant(row['ms_p20'])}, {significant(row['ms_p80'])}]"]
     if row.get("timing") == CORRECTNESS:

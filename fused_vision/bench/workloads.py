@@ -58,6 +58,8 @@ def cases(*names: str) -> tuple[Case, ...]:
 GPU_CASES = cases("video_32x70", "image_8x280", "image_32x280", "image_8x1120")
 # The towers at the two 20,160-patch cases only: a tower call costs ~100x a stem op.
 GPU_TOWER_CASES = GPU_CASES[:2]
+# The stem's headline case, 32 images of 280 tokens: a run measures it first, so its first calls tune the tiles.
+HEADLINE_CASE = "image_32x280"
 # The fp32 one-hot lookup costs ~0.9 ms per patch on a 2-core x86 (1,082 ms at video_2x70): one image of 280
 # tokens (2,520 patches) keeps its few calls within seconds.
 CPU_CASES = cases("image_1x280")

@@ -1,8 +1,12 @@
-"""The bench tests' shared helpers: a tiny, quick run through the command line, and its CSV files read back."""
+"""The bench tests' shared helpers: a tiny, quick run through the command line, its CSV files read back, and
+bench/goals.py imported by its path."""
 
 import csv
+import importlib.util
+import sys
+from pathlib import Path
 
-from fused_vision.__main__ import main
+from fused_vision.bench.cli import main
 
 from conftest import DEVICE
 
@@ -23,3 +27,12 @@ def run_cli(tmp_path, *args: str):
     out = tmp_path / "bench"
     assert main(["bench", "--device", DEVICE.type, "--tiny", "--quick", "--out", str(out), *args]) == 0
     return out
+
+
+def load_goals():
+    """bench/goals.py, a script rather than a module of the package."""
+    spec = importlib.util.spec_from_file_location("bench_goals", Path(__file__).parents[2] / "bench" / "goals.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module

@@ -13,8 +13,8 @@ import sys
 import pytest
 import torch
 
-from fused_vision.__main__ import main
-from fused_vision.bench import Case, plan, report, runner, targets
+from fused_vision.bench import Case, plan, report, runner
+from fused_vision.bench.cli import main
 from fused_vision.bench.encoder import ENCODER_TOWERS
 from fused_vision.bench.layer_ops import LAYER_OPS
 from fused_vision.bench.ops import (
@@ -26,6 +26,7 @@ from fused_vision.bench.ops import (
     PositionEmbeddings,
     PositionEmbeddingsBackward,
 )
+from fused_vision.bench.rows import COLUMNS, ENVIRONMENT_COLUMNS, LOW_MEMORY_COLUMNS
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
 from bench_cli import read_csv, reliable, run_cli
@@ -35,7 +36,7 @@ REQUIRED_COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype", "ms_p50", "ms_p20", "ms_p80", "peak_bytes", "model_bytes",
     "gbps", "pct_of_copy", "gpu", "torch", "triton", "transformers", "fused_vision",
 )  # fmt: skip
-TEXT_COLUMNS = {"op", "provider", "case", "dtype", "timing", *report.ENVIRONMENT_COLUMNS}
+TEXT_COLUMNS = {"op", "provider", "case", "dtype", "timing", *ENVIRONMENT_COLUMNS}
 TOWERS = ("tower_e2b_e4b", "tower_26b_31b")
 
 
@@ -43,7 +44,7 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     out = run_cli(tmp_path, "--ops", "all", "--providers", "onehot,embedding,fused,fused_kernel")
 
     columns, rows = read_csv(out / "results.csv")
-    assert columns == report.COLUMNS
+    assert columns == COLUMNS
     assert set(REQUIRED_COLUMNS) <= set(columns)
     measured = {(row["op"], row["provider"]) for row in rows}
     expected = {("copy", "torch"), ("matmul", "torch")}
@@ -101,7 +102,7 @@ def test_every_op_and_provider_reports_through_the_cli(tmp_path):
     log = (out / "log.txt").read_text()
     assert "fused vs onehot output: max |diff|" in log, "the towers compare their outputs"
     columns, rows = read_csv(out / "low_memory.csv")
-    assert columns == report.LOW_MEMORY_COLUMNS
+    assert columns == LOW_MEMORY_COLUMNS
     chunks = sorted((row["path"], row["case"], int(row["chunk"])) for row in rows)
     if DEVICE.type == "cuda":
         assert [chunk[:2] for chunk in chunks] == [
@@ -322,72 +323,3 @@ def test_byte_models_match_hand_counts():
         PoolByPositionsBackward(case, 1152, torch.bfloat16, cpu).model_bytes
         == pooled_grad + ids_and_padding + patches * row
     )
-
-
-def stem_row(op, provider, ms, case="image_32x280", hidden=1152, peak=None, output=0, requested=None):
-    row = dict(op=op, provider=provider, case=case, D=hidden, dtype="bfloat16", ms_p50=ms)
-    return row | dict(peak_bytes=peak, peak_requested_bytes=requested, output_bytes=output)
-
-
-def test_targets_are_judged_from_the_rows():
-    rows = [
-        dict(op="copy", provider="torch", case="1024 MiB fp32", dtype="float32", ms_p50=0.5),
-        stem_row("patch_embed", "embedding", 1.5),
-        stem_row("patch_embed", "compiled", 0.4),
-        stem_row("patch_embed", "fused", 0.4, peak=200, output=100),  # 3.75x embedding, ties compiled
-        stem_row("patch_embed", "fused_kernel", 0.375, peak=2**20 + 100, output=100),  # exactly 4x; 1 MiB extra
-        stem_row("pool_by_positions", "onehot", 0.67, case="image_8x280"),
-        stem_row("pool_by_positions", "fused", 0.067, case="image_8x280"),  # exactly 10x, at another case
-        stem_row("position_embeddings", "fused", 0.05),  # no goal
-    ]
-    found = {(v.goal, v.case, v.provider): v for v in targets.verdicts(rows)}
-    expected_met = {
-        ("patch_embed ≥ 4× faster than embedding", "image_32x280", "fused"): False,
-        ("patch_embed faster than compiled", "image_32x280", "fused"): False,  # a tie is not faster
-        ("patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused"): True,
-        ("patch_embed ≥ 4× faster than embedding", "image_32x280", "fused_kernel"): True,  # at least 4x
-        ("patch_embed faster than compiled", "image_32x280", "fused_kernel"): True,
-        ("patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused_kernel"): False,
-        ("pool_by_positions ≥ 10× faster than onehot", "image_8x280", "fused"): True,
-    }
-    assert {key: verdict.met for key, verdict in found.items()} == expected_met
-    assert found["patch_embed ≥ 4× faster than embedding", "image_32x280", "fused"].ratio == pytest.approx(3.75)
-    assert found["patch_embed peak beyond inputs and output < 1 MiB", "image_32x280", "fused"].extra_bytes == 100
-
-    summary = report.goal_summary(targets.verdicts(rows))
-    assert summary.startswith("targets at image_32x280, D=1152, bfloat16: 3 of 6 met; not met: ")
-    assert "patch_embed faster than compiled (fused)" in summary
-    unjudged = "pool_by_positions ≥ 10× faster than onehot, pool_by_positions peak beyond inputs and output < 1 MiB"
-    assert summary.endswith(f"; not judged (a row missing): {unjudged}"), "the pooler ran at another case only"
-    lines = report.goal_lines(rows)
-    pooler = (
-        "| pool_by_positions ≥ 10× faster than onehot | image_8x280 | 1152 | fused | 10×: 0.0670 ms against 0.670 ms |"
-    )
-    assert pooler + " yes |" in lines
-    elsewhere = report.goal_summary(targets.verdicts(rows[5:7]))
-    assert elsewhere.endswith(
-        "not judged, this run has no fused row with its baseline at image_32x280, D=1152, bfloat16"
-    )
-    in_float32 = report.goal_summary(targets.verdicts([row | dict(dtype="float32") for row in rows]))
-    assert "not judged" in in_float32, "a float32 run does not count for the bf16 goals"
-
-
-def test_memory_goals_count_the_bytes_requested_where_the_allocator_has_them():
-    """A large block the allocator does not split holds up to 1 MiB beyond the request, which is no
-    temporary of the op's; without a requested count the goal is judged, more strictly, on the blocks."""
-    output = 32 * 280 * 1152 * 4  # the pooled fp32 at image_32x280: 39.4 MiB, in a 40 MiB block
-    scratch, rounding = 396_000, 40 * 2**20 - output
-    allocated = output + rounding + scratch
-    rows = [
-        stem_row("pool_by_positions", "fused", 0.05, peak=allocated, output=output, requested=output + scratch),
-        stem_row("pool_by_positions", "fused_kernel", 0.05, peak=allocated, output=output),
-    ]
-    found = {verdict.provider: verdict for verdict in targets.verdicts(rows)}
-    assert found["fused"].met and found["fused"].extra_bytes == scratch
-    assert not found["fused_kernel"].met and found["fused_kernel"].extra_bytes == rounding + scratch
-    lines = report.goal_lines(rows)
-    assert (
-        "| pool_by_positions peak beyond inputs and output < 1 MiB "
-        "| image_32x280 | 1152 | fused | 396 kB requested | yes |" in lines
-    )
-    assert any("| fused_kernel | 1.05 MB allocated | **no** |" in line for line in lines)

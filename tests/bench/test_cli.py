@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from fused_vision.__main__ import main
 from fused_vision.bench import Case, plan
+from fused_vision.bench.cli import main
 from fused_vision.bench.measure import Budget, interleaved_times, time_call
 
 from bench_cli import read_csv, run_cli

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from fused_vision.bench import Case, plan, report
+from fused_vision.bench import Case, plan
 from fused_vision.bench.layer_ops import (
     LAYER_OPS,
     GeluGate,
@@ -15,7 +15,6 @@ from fused_vision.bench.layer_ops import (
     residual_rms_norm_bytes,
 )
 from fused_vision.bench.ops import Unsupported
-from fused_vision.bench.targets import LAYER_OP_TARGETS, CopyShare
 
 from bench_cli import read_csv, run_cli
 from conftest import DEVICE
@@ -78,7 +77,7 @@ def test_a_tiny_run_reports_the_layer_ops_bandwidth(tmp_path):
     assert "### qkv_norm_rope · D=64 · float32" in markdown
     ratios = "stock / reference |" + (" stock / fused |" if DEVICE.type == "cuda" else "")
     assert f"| stock | reference | fused | fused_kernel | {ratios}" in markdown, "no ratio to an interpreter's time"
-    assert ("Target (GPU): fused and fused_kernel ≥ 70% of copy bandwidth" in markdown) == (DEVICE.type == "cuda")
+    assert "Target (" not in markdown, "the bench measures; bench/goals.py judges the goals"
 
 
 def test_the_defaults_run_the_layer_ops_with_the_stem_ops(tmp_path):
@@ -90,20 +89,3 @@ def test_the_defaults_run_the_layer_ops_with_the_stem_ops(tmp_path):
     assert cpu.layer_ops == (), "a CPU runs the layer ops' stock code on either path: nothing of fused_vision to time"
     assert "image_8x280" in [case.name for case in gpu.stem_cases]
     assert plan.OP_GROUPS["layer"] == ("qkv_norm_rope", "residual_rms_norm", "gelu_gate")
-
-
-def layer_row(provider, pct, case="image_8x280"):
-    return dict(op="gelu_gate", provider=provider, case=case, D=1152, dtype="bfloat16", pct_of_copy=pct)
-
-
-def test_the_copy_target_is_judged_on_every_triton_row():
-    target = LAYER_OP_TARGETS["cuda"]
-    assert isinstance(target, CopyShare) and "cpu" not in LAYER_OP_TARGETS
-    met = [layer_row("stock", 20.0), layer_row("fused", 70.0), layer_row("fused_kernel", 85.0, "video_32x70")]
-    assert target.judge(met).endswith(": met (lowest: fused 70% at image_8x280).")
-    missed = met + [layer_row("fused_kernel", 69.4, "image_32x280")]
-    assert target.judge(missed).endswith(": **not met** (below: fused_kernel 69% at image_32x280).")
-    assert target.judge([layer_row("stock", 90.0)]).endswith("no fused or fused_kernel rows.")
-    rows = [row | dict(B=8, N=2520, ms_p50=1.0, peak_bytes=None, timing="speed") for row in missed]
-    assert any(line.startswith("Target (GPU): ") for line in report.op_tables(rows, PROVIDERS, (), "cuda"))
-    assert not any(line.startswith("Target") for line in report.op_tables(rows, PROVIDERS, (), "cpu"))

@@ -1,35 +1,31 @@
-"""The stem ops' targets, judged from a run's own rows, so a run states whether it met them.
+"""The project's goals, judged from a bench run's results.csv: which target, case, provider, measured, met.
 
-- patch_embed at least 4x faster than the stock eager embedder (``embedding``, transformers 5.10+), and
-  faster than ``torch.compile`` of it (``compiled``);
-- the pooler at least 10x faster than the stock pooler (``onehot``: every release pools through it);
-- for both, peak memory beyond the inputs and the output under 1 MiB (CUDA only: a CPU runs them interpreted),
-  in the bytes the call requested: the allocator's rounding of the output's block (up to 1 MiB) is no
-  temporary of the op's. Where the allocator keeps no requested count, in its blocks, which can only
-  miss the goal by that rounding, never meet it.
+    python bench/goals.py RESULTS_CSV [--out GOALS_MD]
 
-Each goal is judged at every case and width a run measured, for both fused providers: the public op
-(``fused``, input checks included) and its launcher alone (``fused_kernel``), never on the rows of Triton's
-interpreter (a CPU's), whose times are no speed. The targets are set at
-``TARGET_CASE``, D=1152, in bf16, which the summary counts (a run in another dtype is judged, not counted).
-
-The encoders' targets (``ENCODER_TARGETS``) are judged in the caption of each encoder table: they are set at a
-processor mix rather than the stem ops' case and width, on the packed and fused providers, and differ by device.
-The layer ops' (``LAYER_OP_TARGETS``, GPU only) are judged in the caption of each layer op's table.
+Prints the verdicts as markdown (and writes them to GOALS_MD): the stem ops' table at every case and width,
+the layer ops' copy-bandwidth share, the encoders' targets at a processor mix. A verdict uses speed rows
+alone, never Triton's interpreter's. docs/benchmark.md, "The goals", says what each goal is and why.
 """
 
+import argparse
+import sys
 from collections import defaultdict
 from dataclasses import dataclass
+from pathlib import Path
 
-from .encoder import Mix
-from .text import speed_rows
-from .workloads import CPU_ENCODER_CASES
+from fused_vision.bench.encoder import ENCODER_TOWERS, Mix
+from fused_vision.bench.layer_ops import LAYER_OPS
+from fused_vision.bench.rows import read_csv
+from fused_vision.bench.text import format_bytes, format_ms, format_pct, markdown_table, significant, speed_rows
+from fused_vision.bench.workloads import CPU_ENCODER_CASES
 
 TARGET_CASE = "image_32x280"
 TARGET_HIDDEN = 1152
 TARGET_DTYPE = "bfloat16"
 FUSED_PROVIDERS = ("fused", "fused_kernel")
 EXTRA_PEAK_OPS = ("patch_embed", "pool_by_positions")
+# Peak beyond inputs and output, in the bytes requested where the allocator counts them: its rounding of the
+# output's block (up to 1 MiB) is no temporary of the op's; elsewhere in its blocks, which only judges stricter.
 EXTRA_PEAK_LIMIT = 2**20
 
 
@@ -226,3 +222,84 @@ ENCODER_TARGETS = {
 }
 # The layer ops move their bytes once each; a CPU runs Triton only in its interpreter, so it has no such goal.
 LAYER_OP_TARGETS = {"cuda": CopyShare("GPU", 70.0)}
+
+
+def goal_summary(found: list[Verdict]) -> str:
+    """How many targets the target case met, which not, and which the run could not judge there."""
+    at_case = [verdict for verdict in found if verdict.at_target_case]
+    where = f"{TARGET_CASE}, D={TARGET_HIDDEN}, {TARGET_DTYPE}"
+    if not at_case:
+        return f"targets: not judged, this run has no fused row with its baseline at {where}"
+    missed = [f"{verdict.goal} ({verdict.provider})" for verdict in at_case if not verdict.met]
+    unjudged = [goal for goal in GOALS if goal not in {verdict.goal for verdict in at_case}]
+    summary = f"targets at {where}: {len(at_case) - len(missed)} of {len(at_case)} met"
+    summary += f"; not met: {', '.join(missed)}" if missed else ""
+    return summary + (f"; not judged (a row missing): {', '.join(unjudged)}" if unjudged else "")
+
+
+def _measured(verdict: Verdict) -> str:
+    if verdict.ratio is None:
+        counted = "allocated" if verdict.row.get("peak_requested_bytes") is None else "requested"
+        return f"{format_bytes(verdict.extra_bytes)} {counted}"
+    row, baseline = verdict.row, verdict.baseline
+    text = f"{significant(verdict.ratio, 2)}×: {format_ms(row['ms_p50'])} against {format_ms(baseline['ms_p50'])}"
+    if row.get("floor_ms"):
+        text += f" · {format_pct(100 * row['floor_ms'] / row['ms_p50'])} of floor"
+    return text
+
+
+def stem_lines(rows: list[dict]) -> list[str]:
+    """The summary for the target case, then every verdict."""
+    found = verdicts(rows)
+    header = ["goal", "case", "D", "provider", "measured", "met"]
+    body = [[v.goal, v.case, str(v.hidden), v.provider, _measured(v), "yes" if v.met else "**no**"] for v in found]
+    return ["### targets", "", goal_summary(found) + ".", "", *(markdown_table(header, body) if found else [])]
+
+
+def layer_op_lines(rows: list[dict], device: str) -> list[str]:
+    """The copy-bandwidth target of each layer op, per (op, D, dtype); none on a CPU, which has no such goal."""
+    target = LAYER_OP_TARGETS.get(device)
+    if target is None:
+        return []
+    groups: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
+    for row in rows:
+        if row["op"] in LAYER_OPS:
+            groups[row["op"], row["D"], row["dtype"]].append(row)
+    lines = []
+    for (op, hidden, dtype), group in groups.items():
+        lines += [f"### {op} · D={hidden} · {dtype}", "", target.judge(group), ""]
+    return lines
+
+
+def encoder_lines(rows: list[dict], device: str) -> list[str]:
+    """The encoders' targets, per (op, dtype, layers)."""
+    groups: dict[tuple[str, str, int], dict[str, dict[str, dict]]] = defaultdict(lambda: defaultdict(dict))
+    for row in rows:
+        if row["op"] in ENCODER_TOWERS:
+            groups[row["op"], row["dtype"], row["layers"]][row["case"]][row["provider"]] = row
+    lines = []
+    for (op, dtype, _), by_case in groups.items():
+        judged = [f"- {target.judge(by_case, dtype)}" for target in ENCODER_TARGETS[device]]
+        lines += [f"### {op} · {dtype}", "", *judged, ""]
+    return lines
+
+
+def markdown(rows: list[dict]) -> str:
+    device = "cpu" if rows[0]["gpu"].startswith("cpu ") else "cuda"  # the run's environment names its device
+    return "\n".join([*stem_lines(rows), *layer_op_lines(rows, device), *encoder_lines(rows, device)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("results", type=Path, help="a bench run's results.csv")
+    parser.add_argument("--out", type=Path, help="also write the verdicts to this markdown file")
+    args = parser.parse_args(argv)
+    text = markdown(read_csv(args.results))
+    print(text)
+    if args.out:
+        args.out.write_text(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
