@@ -90,19 +90,19 @@ def layer_launches(dtype: torch.dtype):
         gate_up = torch.randn(tokens, 2 * intermediate).to(dtype)
         for clipped in (None, clamps):
             label = f"{name(dtype)}, d={head_dim}{', clamps' if clipped is not None else ''}"
-            call = lambda: qkv_norm_rope_kernels.qkv_norm_rope(  # noqa: E731
+            call = lambda: qkv_norm_rope_kernels.qkv_norm_rope(
                 qkv, ids, weight, weight, inv_freq, heads, heads, 1e-6, clipped
             )
             ((args, kwargs),) = capture_launches(qkv_norm_rope_kernels, ("_qkv_norm_rope_kernel",), call)
             yield Launch("qkv_norm_rope", label, qkv_norm_rope_kernels._qkv_norm_rope_kernel, args, kwargs)
 
             label = f"{name(dtype)}, I={intermediate}{', clamps' if clipped is not None else ''}"
-            call = lambda: gelu_gate_kernels.gelu_gate(gate_up, clipped)  # noqa: E731
+            call = lambda: gelu_gate_kernels.gelu_gate(gate_up, clipped)
             ((args, kwargs),) = capture_launches(gelu_gate_kernels, ("_gelu_gate_kernel",), call)
             yield Launch("gelu_gate", label, gelu_gate_kernels._gelu_gate_kernel, args, kwargs)
         for next_weight in (norm_weight, None):
             label = f"{name(dtype)}, D={hidden}{'' if next_weight is not None else ', last layer'}"
-            call = lambda: residual_rms_norm_kernels.residual_rms_norm(x, x, norm_weight, next_weight, 1e-6)  # noqa: E731
+            call = lambda: residual_rms_norm_kernels.residual_rms_norm(x, x, norm_weight, next_weight, 1e-6)
             ((args, kwargs),) = capture_launches(residual_rms_norm_kernels, ("_residual_rms_norm_kernel",), call)
             yield Launch("residual_rms_norm", label, residual_rms_norm_kernels._residual_rms_norm_kernel, args, kwargs)
 
@@ -119,7 +119,7 @@ def launches():
         hidden_states = torch.randn(1, seq_len, 16)
         call = lambda: pool_by_positions_kernels.pool_by_positions(
             hidden_states, item_ids, item_padding, output_length, 3
-        )  # noqa: E731
+        )
         (args, kwargs), _ = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
         variant = f"N={seq_len}, L={output_length}"
         yield Launch("patch_slots", variant, pool_by_positions_kernels._patch_slots_kernel, args, kwargs)
@@ -127,7 +127,7 @@ def launches():
         yield from layer_launches(dtype)
         table = torch.randn(2, POSITIONS, HIDDEN).to(dtype)
         for residual in (None, torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)):
-            call = lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, residual)  # noqa: E731
+            call = lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, residual)
             ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_position_embeddings_kernel",), call)
             variant = f"{name(dtype)}{' + residual' if residual is not None else ''}"
             yield Launch(
@@ -135,12 +135,12 @@ def launches():
             )
 
         grad = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: position_embeddings_kernels.table_grad(grad, ids, padding, POSITIONS)  # noqa: E731
+        call = lambda: position_embeddings_kernels.table_grad(grad, ids, padding, POSITIONS)
         ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_table_grad_kernel",), call)
         yield Launch("table_grad", name(dtype), position_embeddings_kernels._table_grad_kernel, args, kwargs)
 
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)  # noqa: E731
+        call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)
         _, (args, kwargs) = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
         # Both roundings of the average: transformers' (rounded to the dtype) and EmbeddingGemma2's (fp32).
         averages = ((True, ""), (False, ", fp32 average"))
@@ -151,7 +151,7 @@ def launches():
                 yield Launch("pool_by_positions", variant + label, kernel, args, launch, offered)
 
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
-        call = lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)  # noqa: E731
+        call = lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)
         _, (args, kwargs) = capture_launches(
             pool_by_positions_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call
         )
@@ -165,7 +165,7 @@ def launches():
         half_pixels = (torch.float32, torch.bfloat16, torch.float16)
         for pixel_dtype in half_pixels if dtype == torch.bfloat16 else (torch.float32,):
             pixels = torch.rand(BATCH, PATCHES, FEATURES).to(pixel_dtype)
-            call = lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)  # noqa: E731
+            call = lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding)
             ((args, kwargs),) = capture_launches(patch_embed_kernels, ("_patch_embed_tuned",), call)
             dtype_label = f"{name(dtype)}, {name(pixel_dtype)} pixels"
             for variant, meta, offered in tuned_launches(patch_embed_kernels, dtype, dtype_label):
