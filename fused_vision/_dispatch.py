@@ -13,6 +13,7 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.autograd.forward_ad as fwAD
@@ -41,6 +42,34 @@ def triton_drives(device: torch.device) -> bool:
     from .kernels.common import interpreting
 
     return device.type in _TRITON_DEVICE_TYPES or (device.type == "cpu" and interpreting())
+
+
+@dataclass(frozen=True)
+class DeviceLimits:
+    """What a launcher's tile choice depends on: the architecture, shared memory (LDS) one block may use,
+    and the warp size (64 on AMD's CDNA, where a kernel's num_warps counts wavefronts)."""
+
+    arch: str  # "sm_90", "gfx942"
+    shared_memory: int  # bytes, the opt-in maximum per block
+    warp_size: int
+
+
+@functools.cache
+def _cuda_device_limits(index: int) -> DeviceLimits:
+    properties = torch.cuda.get_device_properties(index)
+    hip = torch.version.hip is not None
+    arch = properties.gcnArchName.split(":")[0] if hip else f"sm_{properties.major}{properties.minor}"
+    # warp_size is missing from older torch builds' properties: the vendor's own then.
+    warp_size = getattr(properties, "warp_size", 64 if hip else 32)
+    return DeviceLimits(arch, properties.shared_memory_per_block_optin, warp_size)
+
+
+def device_limits(device: torch.device) -> DeviceLimits | None:
+    """The limits of a CUDA or ROCm device (both report type "cuda"); None for any other, whose launchers
+    offer every candidate."""
+    if device.type != "cuda":
+        return None
+    return _cuda_device_limits(torch.cuda.current_device() if device.index is None else device.index)
 
 
 def check_backend(backend: str) -> None:

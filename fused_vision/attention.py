@@ -14,7 +14,7 @@ never attend across items.
 
 Paths, the first one that takes the inputs (``attention_path``):
 
-    flash_attn       flash-attn's ``flash_attn_varlen_func``: CUDA sm80+, fp16/bf16, head_dim % 8 == 0, <= 256
+    flash_attn       flash-attn's ``flash_attn_varlen_func``: CUDA sm80+ or ROCm, fp16/bf16, head_dim % 8 == 0, <= 256
     vllm_flash_attn  vLLM's own (``vllm.vllm_flash_attn``; vLLM does not install flash-attn): the same limits
     torch_varlen     ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+): the same limits, no dropout
     sdpa             ``F.scaled_dot_product_attention`` per item, no mask: every other device, dtype or shape
@@ -107,13 +107,14 @@ def _torch_varlen():
 
 
 def _flash_kernels_take(query: torch.Tensor) -> bool:
-    """Whether flash attention's varlen kernels take these queries: an sm80+ NVIDIA GPU, fp16 or bf16, and a
-    head size they are built for."""
-    if query.device.type != "cuda" or torch.version.hip is not None or query.dtype not in _HALF_DTYPES:
+    """Whether flash attention's varlen kernels take these queries: an sm80+ NVIDIA GPU or a ROCm one (its
+    flash-attn and torch builds carry their own kernels), fp16 or bf16, and a head size they are built for."""
+    if query.device.type != "cuda" or query.dtype not in _HALF_DTYPES:
         return False
     head_dim = query.shape[-1]
     head_size_built = head_dim % 8 == 0 and head_dim <= _MAX_FLASH_HEAD_DIM
-    return head_size_built and torch.cuda.get_device_capability(query.device) >= (8, 0)
+    rocm = torch.version.hip is not None
+    return head_size_built and (rocm or torch.cuda.get_device_capability(query.device) >= (8, 0))
 
 
 def attention_path(query: torch.Tensor, dropout: float = 0.0) -> str:

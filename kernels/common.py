@@ -5,6 +5,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import DeviceLimits, device_limits
+
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -40,25 +42,48 @@ def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]
     return 32, min(128, triton.next_power_of_2(hidden)), 4
 
 
-def configs(names: tuple[str, str, str], tiles) -> list[triton.Config]:
-    """triton.Configs from (block, block, block, num_warps, num_stages) rows, blocks named by ``names``."""
-    return [triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s) for *blocks, w, s in tiles]
+# The architectures whose tensor cores take operand A from registers (wgmma, tcgen05): there a big tile's
+# fp32 pixel prologue fits in registers, where mma.sync's own operand registers make it spill.
+ASYNC_MMA = ("sm_90", "sm_100")
+
+
+def configs(names: tuple[str, str, str], tiles) -> list[tuple[triton.Config, int, tuple[str, ...] | None]]:
+    """(triton.Config, shared memory, architectures) from (block, block, block, num_warps, num_stages, KiB,
+    architectures) rows, blocks named by ``names``. KiB: the most shared memory (LDS) the tile takes on any
+    architecture; architectures: the prefixes of those it is offered on, None for every one
+    (bench/tools/build_matrix.py checks that each offered tile builds, fits and does not spill there)."""
+    return [
+        (triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s), kib * 1024, archs)
+        for *blocks, w, s, kib, archs in tiles
+    ]
+
+
+def offered(limits: DeviceLimits | None, shared: int, archs: tuple[str, ...] | None) -> bool:
+    """Whether a tile needing ``shared`` bytes on ``archs`` runs on a device with ``limits`` (any, for None)."""
+    if limits is None:
+        return True
+    return shared <= limits.shared_memory and (archs is None or limits.arch.startswith(archs))
 
 
 def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp32: list):
     """``kernel`` autotuned over the candidates of one operand's dtype: ``half`` for bf16 and fp16,
-    ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free.
+    ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free; on each device only
+    those it has the shared memory and the architecture for (``configs``' rows).
 
-    Returns the autotuner and ``gpu_configs(dtype)``, the candidates it offers for a dtype.
+    Returns the autotuner and ``gpu_configs(dtype, limits=None)``, the candidates it offers for a dtype
+    on a device with those limits (every one for ``None``).
     """
 
-    def gpu_configs(dtype: torch.dtype) -> list[triton.Config]:
-        return fp32 if dtype == torch.float32 else half
+    def gpu_configs(dtype: torch.dtype, limits: DeviceLimits | None = None) -> list[triton.Config]:
+        tiles = fp32 if dtype == torch.float32 else half
+        return [config for config, shared, archs in tiles if offered(limits, shared, archs)]
 
     def candidates(configs, named_args, **kwargs):
-        return gpu_configs(named_args[dtype_of].dtype)
+        operand = named_args[dtype_of]
+        return gpu_configs(operand.dtype, device_limits(operand.device))
 
-    tuned = triton.autotune(configs=half + fp32, key=key, prune_configs_by={"early_config_prune": candidates})(kernel)
+    every = [config for config, _, _ in half + fp32]
+    tuned = triton.autotune(configs=every, key=key, prune_configs_by={"early_config_prune": candidates})(kernel)
     return tuned, gpu_configs
 
 

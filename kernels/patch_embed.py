@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
+from .common import ASYNC_MMA, TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
 from .position_embeddings import load_positions, position_embeddings_tile
 
 
@@ -122,14 +122,13 @@ def _patch_embed_kernel(
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
 
 
-# Each fits sm_90's shared memory without register spills on Triton 3.5 to 3.9 (bench/tools/hopper_compile.py
-# checks): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not spend
-# (256x128x32 on 8 warps spills from Triton 3.8 on). fp32 weights (ieee dots, as stock's fp32 linear)
-# need smaller tiles still, and 8 warps: with their fp64 block sums, each 4-warp tile tried (64x64,
-# 32x128) spills under Triton 3.6, 3.7 or 3.9. Tuned once per (D, K, dtypes), at the first call's row
-# count, which then serves every size: a key on the row count would time candidates at sizes first seen
-# inside a CUDA graph capture, and its extra kernel argument, even unread, made Triton 3.8 spill the
-# fp16 128x64x64 candidate (255 registers, 12 bytes).
+# Each is offered where it fits and does not spill with Triton 3.6 to 3.9 (bench/tools/build_matrix.py
+# checks every target): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not
+# spend, most under mma.sync, whose operands sit in registers too (sm_80 to sm_89, sm_120). fp32 weights
+# (ieee dots, as stock's fp32 linear) need smaller tiles still, and 8 warps: with their fp64 block sums,
+# each 4-warp tile tried (64x64, 32x128) spills under Triton 3.6, 3.7 or 3.9. Tuned once per (D, K,
+# dtypes), at the first call's row count, which then serves every size: a key on the row count would
+# time candidates at sizes first seen inside a CUDA graph capture.
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
     _patch_embed_kernel,
@@ -137,10 +136,25 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
     dtype_of="weight_ptr",
     half=configs(
         _TILE,
-        [(128, 128, 64, 8, 3), (128, 128, 32, 8, 4), (64, 256, 64, 8, 3), (64, 128, 64, 4, 4), (128, 64, 64, 4, 4)],
+        [
+            (128, 128, 64, 8, 3, 144, ASYNC_MMA),
+            (128, 128, 32, 8, 4, 96, ASYNC_MMA + ("sm_120",)),  # sm_80 to sm_89: spills (3.6, 3.9)
+            (64, 256, 64, 8, 3, 144, None),
+            (64, 128, 64, 4, 4, 128, ASYNC_MMA),
+            (128, 64, 64, 4, 4, 152, ASYNC_MMA),
+            (64, 128, 32, 4, 2, 48, ("gfx",)),  # 64 KiB of LDS: two stages, 4 wavefronts of 64
+            (128, 128, 32, 8, 2, 64, None),  # every target's fallback: 32 KiB (64 on AMD), spill-free
+        ],
     ),
     fp32=configs(
-        _TILE, [(128, 64, 32, 8, 3), (64, 128, 32, 8, 3), (64, 64, 32, 8, 3), (64, 64, 64, 8, 3), (128, 64, 32, 8, 4)]
+        _TILE,
+        [
+            (128, 64, 32, 8, 3, 64, None),
+            (64, 128, 32, 8, 3, 56, None),
+            (64, 64, 32, 8, 3, 40, ("sm_90", "gfx")),  # spills under mma.sync, and on sm_100a (3.6)
+            (64, 64, 64, 8, 3, 80, ("sm_86", "sm_89", "sm_90", "sm_100", "sm_120")),  # sm_80: spills (3.9)
+            (128, 64, 32, 8, 4, 88, None),
+        ],
     ),
 )
 

@@ -216,16 +216,36 @@ def _hidden_states_grad_kernel(
     tl.store(grad_hidden_ptr + rows[:, None] * hidden + cols[None, :], grad, mask=row_in[:, None] & col_in[None, :])
 
 
-# Each fits sm_90 without register spills (bench/tools/hopper_compile.py checks); fp32 hidden states take
+# Each fits sm_90 without register spills (bench/tools/build_matrix.py checks); fp32 hidden states take
 # ieee dots on the FMA units, whose operands need smaller tiles. Tuned per (D, L, dtype): the slots per
 # item set how many programs share an item, and the best tile follows.
 _TILE = ("BLOCK_S", "BLOCK_N", "BLOCK_D")
+_NOT_SM80 = ("sm_86", "sm_89", "sm_90", "sm_100", "sm_120", "gfx")
 _pool_by_positions_tuned, gpu_configs = autotune_per_dtype(
     _pool_by_positions_kernel,
     key=["hidden", "output_length"],
     dtype_of="hidden_ptr",
-    half=configs(_TILE, [(64, 64, 128, 4, 3), (64, 64, 256, 8, 3), (64, 128, 128, 8, 3), (128, 64, 128, 8, 3)]),
-    fp32=configs(_TILE, [(64, 64, 64, 4, 2), (64, 64, 128, 8, 2), (32, 64, 128, 4, 2)]),
+    half=configs(
+        _TILE,
+        [
+            (64, 64, 128, 4, 3, 56, None),
+            (64, 64, 256, 8, 3, 104, None),
+            (64, 128, 128, 8, 3, 113, None),
+            (128, 64, 128, 8, 3, 64, None),
+        ],
+    ),
+    # fp32 (ieee dots): the first three spill on sm_80 from Triton 3.8 on (384 to 564 bytes); the last two
+    # build clean on every target.
+    fp32=configs(
+        _TILE,
+        [
+            (64, 64, 64, 4, 2, 33, _NOT_SM80),
+            (64, 64, 128, 8, 2, 49, _NOT_SM80),
+            (32, 64, 128, 4, 2, 41, _NOT_SM80),
+            (32, 32, 128, 4, 2, 21, None),
+            (32, 64, 64, 8, 2, 25, None),
+        ],
+    ),
 )
 
 
@@ -246,7 +266,8 @@ def patch_slots(
     overflow = torch.empty((batch,), dtype=torch.int32, device=device)
     if batch == 0:
         return codes, bounds, mask, overflow
-    # One program per item: wide blocks keep its three passes short.
+    # One program per item: wide blocks keep its three passes short; 8 warps, since at 4 a 1024-wide block
+    # spills on sm_80 to sm_89 (bench/tools/build_matrix.py).
     _patch_slots_kernel[(batch,)](
         position_ids,
         padding_positions.view(torch.uint8),
@@ -259,7 +280,7 @@ def patch_slots(
         k,
         *position_ids.stride(),
         *padding_positions.stride(),
-        BLOCK_N=min(1024, triton.next_power_of_2(seq_len)),
+        BLOCK_N=min(512, triton.next_power_of_2(seq_len)),
         BLOCK_S=min(1024, triton.next_power_of_2(output_length)),
         num_warps=4,
     )

@@ -121,12 +121,13 @@ def _qkv_norm_rope_kernel(
 
 
 def launch_config(quarter: int, interpreted: bool) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_F, num_warps): 512-element quarter tiles on a GPU at 8 warps, 2 values per thread per
-    quarter (4 spill in bf16 on sm_90a under Triton 3.9); the interpreter pays per program: more tokens."""
+    """(BLOCK_T, BLOCK_F, num_warps): 256-element quarter tiles on a GPU at 8 warps, one value per thread
+    per quarter, the shape that spills on no target under Triton 3.6 to 3.9 (512 at 4 or 8 warps, and 1024,
+    spill 8 to 12 bytes on some: bench/tools/build_matrix.py); the interpreter pays per program: more tokens."""
     block_f = triton.next_power_of_2(quarter)
     if interpreted:
         return 128, block_f, 1
-    return max(1, 512 // block_f), block_f, 8
+    return max(1, 256 // block_f), block_f, 8
 
 
 def qkv_norm_rope(

@@ -1,13 +1,16 @@
 """The backend rule: which path "auto" takes, the environment override, and the warn-once fallback."""
 
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.autograd.forward_ad as fwAD
 
 import fused_vision
-from fused_vision import _dispatch
+from fused_vision import _dispatch, attention
+from fused_vision.kernels import patch_embed as patch_embed_kernels
+from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
@@ -136,3 +139,74 @@ def test_kernels_launch_on_their_tensors_device(monkeypatch):
         for backend in ("triton", "auto"):
             _dispatch.dispatch("op", backend, torch.device("cuda", index), lambda: launched_on.append(current[0]), None)
     assert launched_on == [1, 1, 0, 0] and entered == [1, 1] and current == [0]
+
+
+@pytest.fixture
+def rocm_gfx942(monkeypatch):
+    """A ROCm machine with one MI300X as torch reports it: device type "cuda", 64 KiB of LDS, wavefronts of 64."""
+    properties = SimpleNamespace(
+        gcnArchName="gfx942:sramecc+:xnack-", major=9, minor=4, shared_memory_per_block_optin=65536, warp_size=64
+    )
+    monkeypatch.setattr(torch.version, "hip", "6.4.0")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
+    _dispatch._cuda_device_limits.cache_clear()
+    yield
+    _dispatch._cuda_device_limits.cache_clear()
+
+
+def test_rocm_runs_the_kernels_with_tiles_that_fit_its_lds(rocm_gfx942):
+    gpu = torch.device("cuda", 0)
+    assert _dispatch.resolve_backend("auto", gpu) == "auto"
+    limits = _dispatch.device_limits(gpu)
+    assert limits == _dispatch.DeviceLimits("gfx942", 65536, 64)
+    for module in (patch_embed_kernels, pool_by_positions_kernels):
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            offered = module.gpu_configs(dtype, limits)
+            assert offered and set(offered) <= set(module.gpu_configs(dtype)), (module.__name__, dtype)
+    # NVIDIA's big half-precision tiles give way to the two-stage ones sized for 64 KiB; the pooler's 104 KiB goes.
+    tiles = {
+        (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.num_stages)
+        for c in patch_embed_kernels.gpu_configs(torch.bfloat16, limits)
+    }
+    assert tiles == {(64, 128, 2), (128, 128, 2)}
+    assert len(pool_by_positions_kernels.gpu_configs(torch.bfloat16, limits)) == 2
+
+
+HOPPER_TILES = {(128, 128, 64, 3), (128, 128, 32, 4), (64, 256, 64, 3), (64, 128, 64, 4), (128, 64, 64, 4)}
+
+
+@pytest.mark.parametrize(
+    "arch,shared,expected",
+    [
+        ("sm_90", 232448, HOPPER_TILES | {(128, 128, 32, 2)}),
+        ("sm_80", 166912, {(64, 256, 64, 3), (128, 128, 32, 2)}),
+        ("sm_86", 101376, {(128, 128, 32, 2)}),
+        ("sm_120", 101376, {(128, 128, 32, 4), (128, 128, 32, 2)}),
+    ],
+)
+def test_nvidia_embedder_tiles_per_architecture(arch, shared, expected):
+    """Hopper and Blackwell keep every big tile; mma.sync's architectures only those that neither spill nor
+    overflow there (bench/tools/build_matrix.py's findings), and every one the two-stage tile."""
+    offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _dispatch.DeviceLimits(arch, shared, 32))
+    tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.kwargs["BLOCK_K"], c.num_stages) for c in offered}
+    assert tiles == expected
+
+
+def test_the_fp32_pooler_offers_sm80_only_the_tiles_that_do_not_spill_there():
+    ampere = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_80", 166912, 32))
+    assert {(c.kwargs["BLOCK_S"], c.kwargs["BLOCK_N"], c.num_warps) for c in ampere} == {(32, 32, 4), (32, 64, 8)}
+    hopper = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_90", 232448, 32))
+    assert len(hopper) == 5
+
+
+def test_rocm_attention_takes_a_varlen_kernel(rocm_gfx942, monkeypatch):
+    query = torch.empty(8, 2, 64, dtype=torch.bfloat16)
+    monkeypatch.setattr(query.__class__, "device", property(lambda self: torch.device("cuda", 0)), raising=False)
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object())
+    assert attention.attention_path(query) == "flash_attn"
+    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
+    monkeypatch.setattr(attention, "_vllm_flash_attn_varlen", lambda: None)
+    monkeypatch.setattr(attention, "_torch_varlen", lambda: object())
+    assert attention.attention_path(query) == "torch_varlen"
