@@ -6,6 +6,7 @@ the checks only a GPU can make (graph capture, sync debug mode) come first and t
 pooler past 2**31 elements, whose int64 strides build its kernels again) last, so a time box cuts that one.
 """
 
+import contextlib
 import dataclasses
 import os
 
@@ -80,6 +81,17 @@ def on_the_kernels():
     assert not fell_back, "backend 'auto' fell back to the reference: " + ", ".join(
         f"{op} on {device_type}" for op, device_type in fell_back
     )
+
+
+@contextlib.contextmanager
+def sync_debug_mode(mode: str):
+    """torch's CUDA sync debug mode at ``mode`` ("warn" or "error") for the block, then as it was."""
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode(mode)
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
 
 
 def image_ids(batch, soft_tokens, k=3, generator=None):

@@ -11,7 +11,7 @@ import torch
 from fused_vision import apply_fused_vision_to_gemma4, encode_images
 from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
 
-from .conftest import SMOKE, image_ids
+from .conftest import SMOKE, image_ids, sync_debug_mode
 from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, dtype_id, relative_error
 from gemma4_towers import ACCURACY_FLOOR, alone, modeling, randomize
 
@@ -100,12 +100,8 @@ def capture_path():
     if DEVICE.type != "cuda":
         yield
         return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("warn")
-    try:
+    with sync_debug_mode("warn"):
         yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 @pytest.mark.parametrize("clipped", [False, True], ids=["26b_31b", "e2b_e4b_clamps"])

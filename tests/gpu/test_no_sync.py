@@ -11,7 +11,7 @@ import torch
 import fused_vision
 from fused_vision import _dispatch
 
-from .conftest import SIZES, P, image_ids
+from .conftest import SIZES, P, image_ids, sync_debug_mode
 from conftest import DEVICE, assert_bit_identical
 
 pytestmark = pytest.mark.gpu
@@ -25,12 +25,8 @@ def syncs_forbidden():
         with mock.patch.dict(os.environ, {"FUSED_VISION_CHECK_IDS": "0"}):
             yield
         return
-    previous = torch.cuda.get_sync_debug_mode()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
+    with sync_debug_mode("error"):
         yield
-    finally:
-        torch.cuda.set_sync_debug_mode(previous)
 
 
 @pytest.mark.parametrize("op_name", ["patch_embed", "position_embeddings"])
