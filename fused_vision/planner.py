@@ -1,70 +1,11 @@
 """How many images or video frames to send through Gemma 4's vision tower in one call.
 
-vLLM chunks the tower's work with ``_encoder_chunk`` (gemma4_mm.py): a memory budget divided by the transient
-bytes of one item, priced as the int64 one-hot of transformers 5.5-5.9's patch embedder. Without the
-one-hot that price is ~8x the real peak: on a 22 GiB card with 3 GiB free it admits one 2520-patch image
-where the tower's own activations (~96 MiB per image) leave room for sixteen. ``plan`` keeps vLLM's budget
-as the safety net and divides it by the transient of the path in use; ``encoder_chunk`` is vLLM's function.
-
-Budget (vLLM's)
-    budget = min(free // 2, total // 10);   chunk = max(1, min(num_items, budget // cost))
-
-Cost: peak transient bytes of one item in one tower forward, without autograd
-    Weights and inputs are not transients. Each encoder layer frees its activations before the next runs,
-    so the number of layers does not enter. Per patch, with
-
-    b  bytes per element of the compute dtype   D  hidden size   I  intermediate size   N  patches per item
-    H  attention heads, d head_dim, Q = H·d      P  position_embedding_size
-    F  = 3·patch_size² pixel features (float32, as Gemma 4's processors emit them)
-    m  = attention-mask bytes: N for sdpa's (N, N) bool mask, b·N for eager's additive one
-         (transformers builds it whenever a chunk holds padding, and items are padded to N)
-    c  = b·⌈N⌉₈ when 8 ∤ N, else 0: the mask copy memory-efficient attention pads to a multiple of 8
-
-    held      = 2·b·D + m + 2·b·d              embedder output (the model's forward keeps it) and the
-                                               layer's input; the attention mask; rope cos and sin
-    embedder  = max(8·F, b·F + 5·b·D)          pixels - 0.5 and its double in float32; or the cast pixels,
-                                               projection, x rows, y rows, their sum, the masked sum
-    norm      = held + 2·b·D + 8·D             residual, input, two float32 copies inside RMSNorm
-    attention = held + b·D + 3·b·Q + max(8·Q, scores)    normed input, q, k, v; float32 q/k/v norms
-      sdpa:   scores = b·N + max(N, c) + b·Q + 4·H    the mask made additive in the compute dtype; the
-                                               bool inverse older torch builds, or c; output, log-sum-exp
-      eager:  scores = H·N·(b + 8)             scores, their float32 copy, the float32 softmax
-                     = H·N·(b + 4) in float32  (transformers upcasts; float32 scores need no copy)
-    mlp       = held + 2·b·D + 3·b·I           residual, input; activated gate, up projection, product
-                                               (the same with clipped linears)
-      eager:  norm and mlp add H·N·b           the layer keeps the attention weights until it returns
-
-    fused  = N · (max(embedder, norm, attention, mlp) + 64) · 21/20
-    onehot = max(32·N·P, fused)                vLLM's price of the 5.5-5.9 embedder's one-hot
-
-    The pooler needs no term: its int64 (N, L) one-hot and float32 copies, at most
-    3·b·D + max(12·L, 4·L + 5·D) per patch with L <= N/4 soft tokens, stay below the attention phase
-    (whose mask terms alone reach 3·N) and the norm phase.
-
-The 64 bytes per patch cover padding flags, int64 ids and pooling slots. The itemised peak matches the
-H200 peaks of bench/baselines.md (read as MiB; stock 26B/31B tower, bf16, sdpa, 1-16 images, 4-64 frames) within
-0.5 % either way; the 5 % on top covers what is not itemised: the CUDA caching allocator may hand out a
-cached block up to 1 MiB larger than asked and counts all of it. For that tower the MLP phase is the peak
-up to 5040 patches, the attention phase at 10080.
-
-The one-hot lives inside the patch embedder and is freed before the first encoder layer runs, so the
-encoder's activations do not add to it: path="onehot" costs the larger of the two. vLLM's price is itself
-an upper bound (the baselines measured 502 MB per 2520-patch image; it charges 788 MiB) and exceeds the
-encoder's peak for every real config with sdpa, where ``plan(path="onehot")`` equals
-``min(num_items, encoder_chunk(...))``. Eager attention from 2520 patches up costs more than the one-hot,
-which vLLM's function does not see.
-
-The packed encoder (fused_vision.packed: no padding, no mask, attention per item), per REAL patch:
-    the phases above with m = 0 and scores = 2·b·Q + 4·H (each item's output and their concatenation,
-    log-sum-exp); where the kernel materialises scores (eager-priced: MPS), one item's at a time, a fixed
-    S = H·L²·(b + 8) (b + 4 in float32) for the longest item's L real patches.
-    transient_bytes_per_item(L, encoder="packed") = (L·(max(phases) + 64) + S)·21/20
-    plan_tokens = max(1, (budget - S·21/20) // (c + extra)),   c = (max(phases) + 64)·21/20
-                                               (at least 32·P with path="onehot")
-
-Covered: transformers' stock Gemma 4 vision tower (F.embedding era) and fused_vision's lookup, which writes
-less; ``attn_implementation`` "sdpa" (transformers' default; priced as the fused kernels of CUDA and the
-CPU, which hold no (N, N) scores; ``plan`` prices MPS's, which does, as eager) or "eager"; inference only.
+vLLM's ``_encoder_chunk`` divides a budget, ``min(free // 2, total // 10)``, by the transient bytes of one
+item priced as transformers 5.5-5.9's int64 one-hot, ~8x the real peak. ``plan`` keeps that budget as the
+safety net and divides it by the transient of the path in use (padded, or ``plan_tokens`` for the packed
+encoder's real patches); ``encoder_chunk`` is vLLM's function. The cost model, itemised per phase (held
+tensors, embedder, norm, attention, MLP; 64 bytes per patch; 5 % on top), what it covers and how well it
+fits the measured peaks: docs/planner.md.
 """
 
 from __future__ import annotations

@@ -1,23 +1,11 @@
 """fused_vision inside SGLang's Gemma 4 vision tower, which is SGLang's own code, not transformers'.
 
-    from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4
-
     apply_fused_vision_to_sglang_gemma4()        # the classes, before SGLang builds the model
     apply_fused_vision_to_sglang_gemma4(model)   # the instances inside a model that is already built
 
-SGLang (0.5.x, ``sglang.srt.models.gemma4_vision``) builds its own ``Gemma4VisionEncoder``: tensor-parallel
-attention around a patch embedder that is transformers 5.5-5.9's, int64 one-hot lookup included, and a
-pooler that is a one-hot matmul in the hidden dtype. It encodes each pixel tensor of a request (the
-images one processor call batched, or every frame of its videos) in one call, unchunked, so the
-one-hot's 160 KiB per patch is the encoder's largest transient.
-The patched embedder is ``fused_vision.patch_embed`` (or, with ``embedder="position_embeddings"``, stock's
-with the lookup swapped, bit-identical); the patched pooler differs from stock in rounding only (``_pooler_forward``).
-SGLang's EmbeddingGemma2 builds the same tower with a pooler of its own (``EmbeddingGemma2VisionPooler``,
-a float32 one-hot pooler cast once to the hidden dtype), which is patched too (``_embedding_pooler_forward``).
-
-SGLang builds its models in scheduler processes that a patch in the launching script does not reach:
-there, set FUSED_VISION_SGLANG=1 and SGLang's plugin loader (entry point group ``sglang.srt.plugins``)
-runs ``sglang_plugin`` in each of them. ``revert_fused_vision_sglang_gemma4`` undoes either patch.
+The embedder becomes ``fused_vision.patch_embed`` (or stock's with the lookup swapped), the pooler and
+EmbeddingGemma2's pooler fused_vision's; SGLang's scheduler processes get it through its plugin loader
+(``FUSED_VISION_SGLANG=1``, ``sglang_plugin``). Details: docs/integrations.md, "SGLang".
 """
 
 from __future__ import annotations

@@ -1,33 +1,11 @@
 """The packed encoder inside SGLang's own ``Gemma4VisionEncoder`` (``encoder="packed"`` in
 ``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``).
 
-SGLang's stock forward runs every item at its padded length N and hands each layer's attention backend
-the padding as a (B, 1, N, N) mask with ``cu_seqlens=None``. Only its sdpa and Ascend backends apply that
-mask: FA3 (Hopper's default) and Triton (other GPUs') drop it, so each padded item's real patches attend
-its padding keys and its soft tokens depend on its padding pixels.
-
-The packed forward strips each item's padding rows (ids (-1, -1)), runs SGLang's own embedder on the
-real patches and SGLang's own encoder (its layers, norms, projections and 2-D RoPE from each patch's own
-ids) without a mask, either
-
-- on one (1, T, D) sequence, each layer's backend handed the items' int32 ``cu_seqlens`` (and their
-  longest length) in place of stock's None: the backends that attend within each cu_seqlens segment
-  (``VARLEN_BACKENDS``). The encoder hands its layers the items' ``Packing`` (``fused_vision.attention``)
-  as their attention mask; SGLang's ``Gemma4VisionAttention.forward``, patched, runs stock's forward
-  without a mask on a view of the module made for that call, whose backend is handed the boundaries; or
-- on each item alone, (1, T_i, D): every other backend. SGLang's sdpa backend, which Gemma 4 builds with
-  ``flatten_batch=False``, turns cu_seqlens into a per-batch-row padding mask, not a per-item one.
-
-SGLang's pooler then runs on the rows put back at their padded length, zeros at the padding, in one call
-as stock's: the same (pooled, mask) types, shapes and dtype, each item's soft tokens those of stock's
-masked attention on it alone (up to summation order), whatever the backend. Zero padding rows also mean
-that, where the pooler does not mask the padding first (``mask_pad_before_pool=False``, SGLang's
-``gemma4_mm``), the padding adds nothing to slot 0, as in transformers' pooler (stock adds its padding
-rows' hidden states there). Inputs the packed forward does not take run stock.
-
-The boundaries travel with the call, so concurrent packed forwards of one module in several threads each
-attend within their own items. SGLang's ViT CUDA graph (``SGLANG_VIT_ENABLE_CUDA_GRAPH``) is not
-supported: stock runs under it.
+SGLang's FA3 and Triton vision backends drop stock's padding mask, so padded items attend their padding
+keys. The packed forward strips each item's padding and runs SGLang's own embedder and encoder without a
+mask: on one sequence whose varlen backends (``VARLEN_BACKENDS``) get the items' ``cu_seqlens``, or item by
+item on every other backend; SGLang's pooler then runs on the rows put back at their padded length, zeros
+at the padding. The boundaries travel with the call. Details: docs/integrations.md, "SGLang".
 """
 
 from __future__ import annotations
