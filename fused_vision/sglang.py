@@ -5,7 +5,7 @@
 
 The embedder becomes ``fused_vision.patch_embed`` (or stock's with the lookup swapped), the pooler and
 EmbeddingGemma2's pooler fused_vision's; SGLang's scheduler processes get it through its plugin loader
-(``FUSED_VISION_SGLANG=1``, ``sglang_plugin``). Details: docs/integrations.md, "SGLang".
+(``FUSED_VISION_SGLANG=1``, ``sglang_plugin``). Details: docs/sglang.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ SGLang's FA3 and Triton vision backends drop stock's padding mask, so padded ite
 keys. The packed forward strips each item's padding and runs SGLang's own embedder and encoder without a
 mask: on one sequence whose varlen backends (``VARLEN_BACKENDS``) get the items' ``cu_seqlens``, or item by
 item on every other backend; SGLang's pooler then runs on the rows put back at their padded length, zeros
-at the padding. The boundaries travel with the call. Details: docs/integrations.md, "SGLang".
+at the padding. The boundaries travel with the call. Details: docs/sglang.md.
 """
 
 from __future__ import annotations
