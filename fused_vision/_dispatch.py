@@ -46,12 +46,11 @@ def triton_drives(device: torch.device) -> bool:
 
 @dataclass(frozen=True)
 class DeviceLimits:
-    """What a launcher's tile choice depends on: the architecture, shared memory (LDS) one block may use,
-    and the warp size (64 on AMD's CDNA, where a kernel's num_warps counts wavefronts)."""
+    """What a launcher's tile choice depends on: the architecture (AMD's tiles, sized for 64 KiB of LDS and
+    wavefronts of 64, are offered on "gfx" alone) and the shared memory (LDS) one block may use."""
 
     arch: str  # "sm_90", "gfx942"
     shared_memory: int  # bytes, the opt-in maximum per block
-    warp_size: int
 
 
 @functools.cache
@@ -59,9 +58,7 @@ def _cuda_device_limits(index: int) -> DeviceLimits:
     properties = torch.cuda.get_device_properties(index)
     hip = torch.version.hip is not None
     arch = properties.gcnArchName.split(":")[0] if hip else f"sm_{properties.major}{properties.minor}"
-    # warp_size is missing from older torch builds' properties: the vendor's own then.
-    warp_size = getattr(properties, "warp_size", 64 if hip else 32)
-    return DeviceLimits(arch, properties.shared_memory_per_block_optin, warp_size)
+    return DeviceLimits(arch, properties.shared_memory_per_block_optin)
 
 
 def device_limits(device: torch.device) -> DeviceLimits | None:

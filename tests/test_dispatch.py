@@ -160,7 +160,7 @@ def test_rocm_runs_the_kernels_with_tiles_that_fit_its_lds(rocm_gfx942):
     gpu = torch.device("cuda", 0)
     assert _dispatch.resolve_backend("auto", gpu) == "auto"
     limits = _dispatch.device_limits(gpu)
-    assert limits == _dispatch.DeviceLimits("gfx942", 65536, 64)
+    assert limits == _dispatch.DeviceLimits("gfx942", 65536)
     for module in (patch_embed_kernels, pool_by_positions_kernels):
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
             offered = module.gpu_configs(dtype, limits)
@@ -189,15 +189,15 @@ HOPPER_TILES = {(128, 128, 64, 3), (128, 128, 32, 4), (64, 256, 64, 3), (64, 128
 def test_nvidia_embedder_tiles_per_architecture(arch, shared, expected):
     """Hopper and Blackwell keep every big tile; mma.sync's architectures only those that neither spill nor
     overflow there (bench/tools/build_matrix.py's findings), and every one the two-stage tile."""
-    offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _dispatch.DeviceLimits(arch, shared, 32))
+    offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _dispatch.DeviceLimits(arch, shared))
     tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.kwargs["BLOCK_K"], c.num_stages) for c in offered}
     assert tiles == expected
 
 
 def test_the_fp32_pooler_offers_sm80_only_the_tiles_that_do_not_spill_there():
-    ampere = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_80", 166912, 32))
+    ampere = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_80", 166912))
     assert {(c.kwargs["BLOCK_S"], c.kwargs["BLOCK_N"], c.num_warps) for c in ampere} == {(32, 32, 4), (32, 64, 8)}
-    hopper = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_90", 232448, 32))
+    hopper = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_90", 232448))
     assert len(hopper) == 5
 
 

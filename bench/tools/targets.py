@@ -42,7 +42,7 @@ class Target:
     def limits(self) -> DeviceLimits:
         """What the launchers would read off such a device."""
         arch = self.name if self.amd else f"sm_{self.target.arch}"  # a device reports sm_90, not sm_90a
-        return DeviceLimits(arch, self.shared_per_block, self.target.warp_size)
+        return DeviceLimits(arch, self.shared_per_block)
 
 
 def nvidia(name, capability, shared_per_block_kib, shared_per_sm_kib, max_warps, tensor_core):
