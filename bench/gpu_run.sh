@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh                              gpu_tests bench                ~6 min, box 470 s
 #   bash bench/gpu_run.sh planner_check kernel_tests   two more                       ~2.5 min, box 300 s
 #   bash bench/gpu_run.sh vllm_encoder                 the last                       ~2 min, box 180 s
+# Three more, for what a run leaves open: profile ncu (why a kernel misses its target) and encoder_compiled.
 # Where a step failed, rerun it alone. The steps:
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
@@ -20,6 +21,12 @@
 #   vllm_encoder   bench/vllm_encoder.py: vLLM's encoder calls stock vs packed vs fused, 26B/31B and E4B,
 #                  image 8x280 and video 32x70, bf16; vLLM's ReplicatedLinear where vLLM imports, else
 #                  transformers' nn.Linear (the same F.linear)                     box 180 s, ~2 min
+#   profile        bench/tools/profile_kernels.py: each op's kernel at image_32x280 beside variants that
+#                  each take one cost away (pre-cast pixels, cuBLAS alone, id checks off)  box 90 s, ~40 s
+#   ncu            the same kernels, one launch each, under Nsight Compute (speed of light, memory,
+#                  occupancy, launch, warp states) into ncu.txt                     box 120 s, ~1 min
+#   encoder_compiled  the 26B/31B encoder at image 8x280: stock, torch.compile of it, fused; then the
+#                  goals on those rows (the bench's default run reaches compiled rows last)  box 200 s
 # Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
 # checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs, vllm_encoder.md), so DIR
 # holds few files.
@@ -61,19 +68,29 @@ if [ "$dry" != 0 ]; then
   kernel_tests=(tests/test_validation.py)
   shards_args=(--shards 2)
   vllm_encoder_args=(--tiny)
+  profile_args=(--tiny)
+  compiled_args=(--tiny --quick)
+  ncu=()  # the profiled calls run bare
 else
   bench_args=(--time-budget 200)
   planner_args=()
   shards_args=()
   vllm_encoder_args=()
+  profile_args=()
+  compiled_args=(--time-budget 180)
+  # --clock-control none: the clocks as in the timed runs. The sections: what bounds a kernel and why.
+  ncu=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)" --clock-control none
+    --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
+    --section LaunchStats --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats)
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
-declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180)
+declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180
+  [profile]=90 [ncu]=120 [encoder_compiled]=200)
 [ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do
   if [ -z "${box[$name]:-}" ]; then
-    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder" >&2
+    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder, profile, ncu, encoder_compiled" >&2
     exit 2
   fi
   default_deadline=$((default_deadline + box[$name]))
@@ -156,6 +173,12 @@ for name in "${steps[@]}"; do
     kernel_tests) step kernel_tests "$python" bench/tools/pytest_shards.py --out "$checks/kernel_tests" \
       "${shards_args[@]}" -- --maxfail=10 -p no:cacheprovider "${kernel_tests[@]}" ;;
     vllm_encoder) step vllm_encoder "$python" bench/vllm_encoder.py --out "$checks" "${vllm_encoder_args[@]}" ;;
+    profile) step profile "$python" bench/tools/profile_kernels.py "${profile_args[@]}" ;;
+    ncu) step ncu "${ncu[@]}" ${ncu[0]:+--log-file "$checks/ncu.txt"} \
+      "$python" bench/tools/profile_kernels.py --profile "${profile_args[@]}" ;;
+    encoder_compiled) step encoder_compiled "$python" -m fused_vision bench --out "$checks/encoder_compiled" \
+      --ops encoder_26b_31b --providers stock,compiled,fused --cases image_8x280 "${compiled_args[@]}"
+      [ ! -f "$checks/encoder_compiled/results.csv" ] || "$python" bench/goals.py "$checks/encoder_compiled/results.csv" || status=1 ;;
   esac
 done
 

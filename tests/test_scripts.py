@@ -184,7 +184,16 @@ def test_pytest_shards_refuse_a_bad_shard(tmp_path):
     assert "--shard: expected I/N with 0 <= I < N, got '2/2'" in result.stderr, result.stderr
 
 
-GPU_RUN_STEPS = ("gpu_tests", "bench", "planner_check", "kernel_tests", "vllm_encoder")
+GPU_RUN_STEPS = (
+    "gpu_tests",
+    "bench",
+    "planner_check",
+    "kernel_tests",
+    "vllm_encoder",
+    "profile",
+    "ncu",
+    "encoder_compiled",
+)
 GPU_RUN_DEFAULT_STEPS = ("gpu_tests", "bench")  # what a call naming no steps runs
 BENCH_FILES = ["log.txt", "memory.png", "results.csv", "results.md", "time.png"]
 BENCH_FILES += ["low_memory.csv"] if DEVICE.type == "cuda" else []  # the scenario runs on CUDA; no empty CSV
@@ -246,7 +255,9 @@ def test_gpu_run_dry_run(tmp_path):
     assert_ran(gpu_run_log(second, 0, *rest, GPU_RUN_OUT=str(second)), rest)
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "gpu_run.log"]
     shards = {f"kernel_tests/shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
-    assert archived(second) == {"planner_check.json", "planner_check.csv", *shards, "vllm_encoder.md"}
+    compiled = {f"encoder_compiled/{name}" for name in BENCH_FILES if name != "low_memory.csv"}
+    checks = {"planner_check.json", "planner_check.csv", *shards, "vllm_encoder.md", *compiled}
+    assert archived(second) == checks  # no ncu.txt: the dry run's profiled calls run without the profiler
 
 
 def test_gpu_run_refuses_an_unknown_step_or_option(tmp_path):
