@@ -1,7 +1,9 @@
 """Shared test helpers. The kernels run under TRITON_INTERPRET=1 on CPU machines (set before import)."""
 
+import contextlib
 import os
 import threading
+import warnings
 
 import pytest
 import torch
@@ -43,6 +45,16 @@ def poison_empty(monkeypatch) -> None:
 @pytest.fixture
 def poisoned(monkeypatch):
     poison_empty(monkeypatch)
+
+
+@contextlib.contextmanager
+def fallbacks_fail():
+    """Every RuntimeWarning raises: an op or a layer that falls back fails the test. Except the packed
+    encoder's attention per item for fp32, which is that dtype's path on CUDA (no varlen kernel takes it)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        warnings.filterwarnings("ignore", "packed encoder: no varlen kernel for torch.float32", RuntimeWarning)
+        yield
 
 
 def assert_bit_identical(actual: torch.Tensor, expected: torch.Tensor, what: str = "output") -> None:

@@ -2,7 +2,6 @@
 where the host may read it, padded elsewhere; and the fused layers around linears they cannot read."""
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import fused_vision.fused_layer as fl
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
 from fused_vision.attention import Packing
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, fallbacks_fail
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE, GRIDS, KINDS, SEQ_LEN, make_inputs, tower_of
 
 ENCODERS = ["packed", "fused"]
@@ -68,8 +67,7 @@ def test_the_padded_batch_runs_packed_and_matches_stock(varlen_calls, kind, enco
     twin = copy.deepcopy(tower).double()
     exact = encode(twin, embedded.double(), valid, ids)
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no layer falls back
+    with fallbacks_fail():  # no layer falls back
         got = encode(tower, embedded, valid, ids)
     assert varlen_calls == [REAL] * 2, "each layer attends within the items' real rows"
     assert_real_rows_match(got, stock, exact, valid, dtype)
@@ -142,14 +140,14 @@ def test_layers_fuse_around_linears_with_gemms_of_their_own(monkeypatch, varlen_
     for layer in tower.encoder.layers:
         for clipped in (layer.self_attn.q_proj, layer.self_attn.v_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             clipped.linear = StandInQuantizedLinear(clipped.linear)
-        layer.mlp.gate_proj.linear.bias = nn.Parameter(torch.randn(layer.mlp.gate_proj.linear.out_features) * 0.1)
+        gate = layer.mlp.gate_proj.linear
+        gate.bias = nn.Parameter(torch.randn(gate.out_features, device=gate.weight.device) * 0.1)
     embedded, valid, ids = padded_batch(tower)
     stock = encode(tower, embedded, valid, ids)
     apply_fused_vision_to_gemma4(tower, encoder="fused")
     kernels, op = [], fl.qkv_norm_rope
     monkeypatch.setattr(fl, "qkv_norm_rope", lambda *a, **k: kernels.append(1) or op(*a, **k))
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no layer falls back
+    with fallbacks_fail():  # no layer falls back
         got = encode(tower, embedded, valid, ids)
     assert kernels == [1, 1] and varlen_calls == [REAL] * 2, "both layers fused, packed"
     quantized = [m for m in tower.modules() if isinstance(m, StandInQuantizedLinear)]

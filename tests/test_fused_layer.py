@@ -6,7 +6,6 @@ both real head sizes (E2B/E4B-like: clipped linears, head_dim 64; 26B/31B-like: 
 """
 
 import copy
-import warnings
 
 import pytest
 import torch
@@ -18,7 +17,7 @@ import fused_vision.kernels.qkv_norm_rope
 import fused_vision.kernels.residual_rms_norm
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, packed, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id, fallbacks_fail
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
@@ -86,8 +85,7 @@ def test_items_of_any_size_in_one_call_match_stock_alone(poisoned, kernel_calls,
     pixels, ids = mixed_items()
     stock = alone(tower, pixels, ids)
     exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no layer falls back
+    with fallbacks_fail():  # no layer falls back
         got = encode_images(fused(tower), pixels, ids)
     assert kernel_calls == FUSED_LAYER_KERNELS * 2, "both layers fused, one call for every item"
     assert_items_match(got, stock, exact, dtype)
@@ -189,8 +187,7 @@ def test_a_lora_adapted_layer_fuses_around_its_linear_and_trains():
     pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
     grads, outputs = [], []
     for model in (stock_tower, tower):
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", RuntimeWarning)  # the adapted layer runs fused too
+        with fallbacks_fail():  # the adapted layer runs fused too
             out = model(pixel_values=pixels, pixel_position_ids=ids).last_hidden_state
         out.square().mean().backward()
         outputs.append(out.detach())
@@ -221,8 +218,7 @@ def test_layers_that_cannot_run_fused_run_stock_code_with_one_warning(condition)
     fused(tower)
     with context, pytest.warns(RuntimeWarning, match=expected):
         got = packed.encode(tower, pixels, ids, True)
-    with context, warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # once
+    with context, fallbacks_fail():  # once
         packed.encode(tower, pixels, ids, True)
     for index, (g, s) in enumerate(zip(got, stock, strict=True)):
         assert_close(g.detach(), s.detach(), **FP32_CLOSE, what=f"item {index}")
@@ -283,8 +279,7 @@ def test_recording_hidden_states_once_leaves_the_layers_fused(fused_layers):
     with torch.no_grad(), pytest.warns(RuntimeWarning, match="records hidden states or attentions"):
         recorded = tower(pixel_values=pixels, pixel_position_ids=ids, output_hidden_states=True)
     assert recorded.hidden_states is not None and not fused_layers, "recording runs stock"
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
+    with fallbacks_fail():
         got = run_tower(tower, pixels, ids)
     assert fused_layers == [1, 1]
     assert_close(got, recorded.last_hidden_state, **FP32_CLOSE, what="soft tokens")

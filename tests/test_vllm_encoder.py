@@ -6,7 +6,6 @@ stock's error against a float64 twin; counters prove what ran. Skips without vLL
 """
 
 import sys
-import warnings
 
 import pytest
 import torch
@@ -24,7 +23,7 @@ from fused_vision import (
     revert_fused_vision_vllm_gemma4,
 )
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close
+from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE
 from vllm_models import (  # noqa: F401 (the fixtures)
     GiB,
@@ -134,8 +133,7 @@ def test_vllms_paths_run_the_packed_encoder_and_match_stock(tiny_model, memory, 
     assert ran == {"packed": [], "fused": 0}
     apply_fused_vision_to_gemma4()
     assert apply_fused_vision_to_vllm_gemma4(encoder=encoder) == 3
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)  # no layer falls back
+    with fallbacks_fail():  # no layer falls back
         got = embeddings(tiny_model, method, inputs)
     assert sorted(length for call in ran["packed"] for length in call) == real, "every item packed, padding dropped"
     assert ran["fused"] == (len(ran["packed"]) if encoder == "fused" else 0), "one fused layer per encoder call"
@@ -211,8 +209,7 @@ def test_a_quantized_linear_keeps_its_gemm_and_the_layer_fuses_around_it(
     exact = None if twin is None else embeddings(twin, "_process_video_input", inputs)
     apply_fused_vision_to_gemma4()
     apply_fused_vision_to_vllm_gemma4(encoder="fused")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", RuntimeWarning)
+    with fallbacks_fail():
         got = embeddings(tiny_model, "_process_video_input", inputs)
     assert ran["fused"] == 1 and len(ran["packed"]) == 1, "the layer fused, packed"
     assert [m.calls for m in methods] == [2, 2, 2], "each quantized GEMM ran, stock and fused"

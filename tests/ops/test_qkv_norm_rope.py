@@ -89,7 +89,7 @@ def test_reference_is_stock_attention(monkeypatch, dtype):
     )
     config._attn_implementation = "eager"
     attention = modeling.Gemma4VisionAttention(config, layer_idx=0)
-    rotary = modeling.Gemma4VisionRotaryEmbedding(config)
+    rotary = modeling.Gemma4VisionRotaryEmbedding(config).to(DEVICE)
     with torch.no_grad():
         for parameter in attention.parameters():
             parameter.copy_(torch.randn_like(parameter) * 0.3 + (1.0 if parameter.dim() == 1 else 0.0))
