@@ -180,6 +180,20 @@ def reference_only(op: str, backend: str, *tensors: torch.Tensor | None) -> bool
     return True
 
 
+def route(op: str, backend: str, args: tuple, *, reference: Callable, registered: Callable, direct: Callable):
+    """One public call of ``op`` on ``args``, its route decided here once: ``reference(*args)`` where only
+    the PyTorch reference can run (``reference_only``), ``registered(*args, backend)``, the torch.library
+    op, where the dispatcher must see the call (``through_dispatcher``), else ``direct(*args, backend)``,
+    the same implementation without the dispatcher's overhead."""
+    check_backend(backend)
+    tensors = [arg for arg in args if isinstance(arg, torch.Tensor)]
+    if reference_only(op, backend, *tensors):
+        return reference(*args)
+    if through_dispatcher(*tensors):
+        return registered(*args, backend)
+    return direct(*args, backend)
+
+
 _WARNED: set[str] = set()
 
 

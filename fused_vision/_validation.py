@@ -1,7 +1,8 @@
-"""Input checks shared by the public ops: clear errors instead of memory faults or garbage.
+"""The vocabulary of the ops' input checks: clear errors instead of memory faults or garbage.
 
-The ``check_*_inputs`` functions look only at shapes, dtypes and devices, so torch.compile traces them
-for free; the id range check reads the data and runs inside the ops' implementations.
+Each op's own ``_check_inputs`` (in ``fused_vision/ops/<op>.py``) is built from these. They look only at
+shapes, dtypes and devices, so torch.compile traces them for free; the id range check reads the data and
+runs inside the ops' implementations.
 """
 
 import os
@@ -92,72 +93,6 @@ def check_table(table: torch.Tensor, dtypes=FLOAT_DTYPES) -> None:
         raise ValueError(f"table: expected shape (2, P, D) with P >= 1, got {tuple(table.shape)}")
 
 
-def check_position_inputs(
-    table: torch.Tensor,
-    position_ids: torch.Tensor,
-    padding_positions: torch.Tensor | None,
-    residual: torch.Tensor | None,
-) -> None:
-    check_table(table)
-    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
-    if residual is not None:
-        check_tensor("residual", residual, 3, (table.dtype,))
-        check_shape("residual", residual, (batch, seq_len, table.shape[2]), "(B, N, D)")
-    check_same_device(table=table, position_ids=position_ids, padding_positions=padding_positions, residual=residual)
-
-
-def check_patch_embed_inputs(
-    pixel_values: torch.Tensor,
-    weight: torch.Tensor,
-    table: torch.Tensor,
-    position_ids: torch.Tensor,
-    padding_positions: torch.Tensor | None,
-) -> None:
-    check_tensor("weight", weight, 2, FLOAT_DTYPES)
-    hidden, features = weight.shape
-    check_table(table, (weight.dtype,))
-    if table.shape[2] != hidden:
-        raise ValueError(
-            f"table: expected shape (2, P, D) with D = weight.shape[0] = {hidden}, got {tuple(table.shape)}"
-        )
-    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
-    check_tensor("pixel_values", pixel_values, 3, FLOAT_DTYPES)
-    check_shape("pixel_values", pixel_values, (batch, seq_len, pixel_values.shape[2]), "(B, N, K) like position_ids")
-    # The pixels' width is the processor's (3 * patch_size**2); a weight of another width is the weight's fault.
-    if features != pixel_values.shape[2]:
-        raise ValueError(
-            f"weight: expected shape (D, K) with K = pixel_values.shape[2] = {pixel_values.shape[2]}, "
-            f"got {tuple(weight.shape)}"
-        )
-    check_same_device(
-        pixel_values=pixel_values,
-        weight=weight,
-        table=table,
-        position_ids=position_ids,
-        padding_positions=padding_positions,
-    )
-
-
-def check_pool_inputs(
-    hidden_states: torch.Tensor,
-    position_ids: torch.Tensor,
-    padding_positions: torch.Tensor,
-    output_length,
-    round_average,
-) -> None:
-    check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
-    if not isinstance(round_average, bool):
-        raise TypeError(f"round_average: expected a bool, got {type(round_average).__name__}")
-    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
-    if padding_positions is None:
-        raise TypeError("padding_positions: expected a (B, N) bool tensor, got None")
-    check_shape("hidden_states", hidden_states, (batch, seq_len, hidden_states.shape[2]), "(B, N, D) like position_ids")
-    # A SymInt under torch.compile with dynamic shapes (transformers computes L from a tensor's shape).
-    if isinstance(output_length, bool) or not isinstance(output_length, (int, torch.SymInt)) or output_length < 1:
-        raise ValueError(f"output_length: expected a positive int, got {output_length!r}")
-    check_same_device(hidden_states=hidden_states, position_ids=position_ids, padding_positions=padding_positions)
-
-
 def check_eps(eps) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
         raise ValueError(f"eps: expected a non-negative float, got {eps!r}")
@@ -173,47 +108,3 @@ def check_norm_weight(name: str, weight: torch.Tensor | None, size: int, describ
     if weight is not None:
         check_tensor(name, weight, 1, FLOAT_DTYPES)
         check_shape(name, weight, (size,), described)
-
-
-def check_qkv_norm_rope_inputs(qkv, position_ids, q_weight, k_weight, inv_freq, num_heads, num_kv_heads, eps, clamps):
-    check_tensor("qkv", qkv, 2, FLOAT_DTYPES)
-    check_tensor("q_weight", q_weight, 1, FLOAT_DTYPES)
-    head_dim = q_weight.shape[0]
-    if head_dim == 0 or head_dim % 4:
-        raise ValueError(f"q_weight: expected shape (head_dim,) with head_dim a positive multiple of 4, got {head_dim}")
-    check_norm_weight("k_weight", k_weight, head_dim, "(head_dim,)")
-    for name, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
-        if isinstance(heads, bool) or not isinstance(heads, (int, torch.SymInt)) or heads < 1:
-            raise ValueError(f"{name}: expected a positive int, got {heads!r}")
-    columns = (num_heads + 2 * num_kv_heads) * head_dim
-    check_shape("qkv", qkv, (qkv.shape[0], columns), "(T, (num_heads + 2 * num_kv_heads) * head_dim)")
-    check_tensor("position_ids", position_ids, 2, INDEX_DTYPES)
-    check_shape("position_ids", position_ids, (qkv.shape[0], 2), "(T, 2)")
-    check_tensor("inv_freq", inv_freq, 1, (torch.float32,))
-    check_shape("inv_freq", inv_freq, (head_dim // 4,), "(head_dim // 4,)")
-    check_eps(eps)
-    check_clamps(clamps, 3, "q, k, v")
-    check_same_device(
-        qkv=qkv, position_ids=position_ids, q_weight=q_weight, k_weight=k_weight, inv_freq=inv_freq, clamps=clamps
-    )
-
-
-def check_residual_rms_norm_inputs(x, residual, post_weight, next_weight, eps):
-    check_tensor("x", x, x.dim() if isinstance(x, torch.Tensor) else 1, FLOAT_DTYPES)
-    if x.dim() == 0 or x.shape[-1] == 0:
-        raise ValueError(f"x: expected shape (..., D) with D >= 1, got {tuple(x.shape)}")
-    check_tensor("residual", residual, x.dim(), (x.dtype,))
-    check_shape("residual", residual, x.shape, "x's shape")
-    check_tensor("post_weight", post_weight, 1, FLOAT_DTYPES)
-    check_norm_weight("post_weight", post_weight, x.shape[-1], "(D,)")
-    check_norm_weight("next_weight", next_weight, x.shape[-1], "(D,)")
-    check_eps(eps)
-    check_same_device(x=x, residual=residual, post_weight=post_weight, next_weight=next_weight)
-
-
-def check_gelu_gate_inputs(gate_up, clamps):
-    check_tensor("gate_up", gate_up, gate_up.dim() if isinstance(gate_up, torch.Tensor) else 1, FLOAT_DTYPES)
-    if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
-        raise ValueError(f"gate_up: expected shape (..., 2 * I) with I >= 1, got {tuple(gate_up.shape)}")
-    check_clamps(clamps, 3, "gate, up, down input")
-    check_same_device(gate_up=gate_up, clamps=clamps)

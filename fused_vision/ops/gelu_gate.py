@@ -3,9 +3,17 @@
 import torch
 
 from .. import reference
-from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from .._validation import check_gelu_gate_inputs
+from .._dispatch import dispatch, route
+from .._validation import FLOAT_DTYPES, check_clamps, check_same_device, check_tensor
 from ._recompute import reference_grads
+
+
+def _check_inputs(gate_up, clamps):
+    check_tensor("gate_up", gate_up, gate_up.dim() if isinstance(gate_up, torch.Tensor) else 1, FLOAT_DTYPES)
+    if gate_up.dim() == 0 or gate_up.shape[-1] == 0 or gate_up.shape[-1] % 2:
+        raise ValueError(f"gate_up: expected shape (..., 2 * I) with I >= 1, got {tuple(gate_up.shape)}")
+    check_clamps(clamps, 3, "gate, up, down input")
+    check_same_device(gate_up=gate_up, clamps=clamps)
 
 
 def _triton(gate_up, clamps):
@@ -60,10 +68,7 @@ def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None = None, *, back
         hidden dtype and the product rounds again, as stock: within one rounding of stock's GELU (another
         tanh), so within two units in the last place of stock's product. Differentiable in gate_up.
     """
-    check_gelu_gate_inputs(gate_up, clamps)
-    check_backend(backend)
-    if reference_only("gelu_gate", backend, gate_up, clamps):
-        return reference.gelu_gate(gate_up, clamps)
-    if through_dispatcher(gate_up, clamps):
-        return _gelu_gate_op(gate_up, clamps, backend)
-    return _forward(gate_up, clamps, backend)
+    _check_inputs(gate_up, clamps)
+    return route(
+        "gelu_gate", backend, (gate_up, clamps), reference=_reference, registered=_gelu_gate_op, direct=_forward
+    )

@@ -5,9 +5,49 @@ import contextlib
 import torch
 
 from .. import reference
-from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from .._validation import check_patch_embed_inputs, check_position_ids_range
+from .._dispatch import dispatch, route
+from .._validation import (
+    FLOAT_DTYPES,
+    check_ids_and_padding,
+    check_position_ids_range,
+    check_same_device,
+    check_shape,
+    check_table,
+    check_tensor,
+)
 from .position_embeddings import table_grad
+
+
+def _check_inputs(
+    pixel_values: torch.Tensor,
+    weight: torch.Tensor,
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor | None,
+) -> None:
+    check_tensor("weight", weight, 2, FLOAT_DTYPES)
+    hidden, features = weight.shape
+    check_table(table, (weight.dtype,))
+    if table.shape[2] != hidden:
+        raise ValueError(
+            f"table: expected shape (2, P, D) with D = weight.shape[0] = {hidden}, got {tuple(table.shape)}"
+        )
+    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
+    check_tensor("pixel_values", pixel_values, 3, FLOAT_DTYPES)
+    check_shape("pixel_values", pixel_values, (batch, seq_len, pixel_values.shape[2]), "(B, N, K) like position_ids")
+    # The pixels' width is the processor's (3 * patch_size**2); a weight of another width is the weight's fault.
+    if features != pixel_values.shape[2]:
+        raise ValueError(
+            f"weight: expected shape (D, K) with K = pixel_values.shape[2] = {pixel_values.shape[2]}, "
+            f"got {tuple(weight.shape)}"
+        )
+    check_same_device(
+        pixel_values=pixel_values,
+        weight=weight,
+        table=table,
+        position_ids=position_ids,
+        padding_positions=padding_positions,
+    )
 
 
 def _triton(pixel_values, weight, table, position_ids, padding_positions):
@@ -113,12 +153,8 @@ def patch_embed(
         their (prescaled) pixels, with no position embedding added. Differentiable in all three
         floating inputs; the pixels' gradient is computed only when they require one.
     """
-    check_patch_embed_inputs(pixel_values, weight, table, position_ids, padding_positions)
-    check_backend(backend)
+    _check_inputs(pixel_values, weight, table, position_ids, padding_positions)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
-    if reference_only("patch_embed", backend, pixel_values, weight, table, position_ids, padding_positions):
-        return _reference(pixel_values, weight, table, position_ids, padding_positions)
-    if through_dispatcher(pixel_values, weight, table, position_ids, padding_positions):
-        return _patch_embed_op(pixel_values, weight, table, position_ids, padding_positions, backend)
-    return _forward(pixel_values, weight, table, position_ids, padding_positions, backend)
+    args = (pixel_values, weight, table, position_ids, padding_positions)
+    return route("patch_embed", backend, args, reference=_reference, registered=_patch_embed_op, direct=_forward)

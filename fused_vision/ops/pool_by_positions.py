@@ -3,8 +3,35 @@
 import torch
 
 from .. import reference
-from .._dispatch import check_backend, dispatch, every_item, reference_only, through_dispatcher
-from .._validation import check_pool_inputs, id_checks_enabled
+from .._dispatch import dispatch, every_item, route
+from .._validation import (
+    FLOAT_DTYPES,
+    check_ids_and_padding,
+    check_same_device,
+    check_shape,
+    check_tensor,
+    id_checks_enabled,
+)
+
+
+def _check_inputs(
+    hidden_states: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor,
+    output_length,
+    round_average,
+) -> None:
+    check_tensor("hidden_states", hidden_states, 3, FLOAT_DTYPES)
+    if not isinstance(round_average, bool):
+        raise TypeError(f"round_average: expected a bool, got {type(round_average).__name__}")
+    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
+    if padding_positions is None:
+        raise TypeError("padding_positions: expected a (B, N) bool tensor, got None")
+    check_shape("hidden_states", hidden_states, (batch, seq_len, hidden_states.shape[2]), "(B, N, D) like position_ids")
+    # A SymInt under torch.compile with dynamic shapes (transformers computes L from a tensor's shape).
+    if isinstance(output_length, bool) or not isinstance(output_length, (int, torch.SymInt)) or output_length < 1:
+        raise ValueError(f"output_length: expected a positive int, got {output_length!r}")
+    check_same_device(hidden_states=hidden_states, position_ids=position_ids, padding_positions=padding_positions)
 
 
 def _triton(hidden_states, position_ids, padding_positions, output_length, round_average):
@@ -189,14 +216,11 @@ def pool_by_positions(
         (a copy of it when autograd or torch.compile is involved), as stock returns it.
         Differentiable in ``hidden_states``.
     """
-    check_pool_inputs(hidden_states, position_ids, padding_positions, output_length, round_average)
-    check_backend(backend)
+    _check_inputs(hidden_states, position_ids, padding_positions, output_length, round_average)
     # Stock's errors for lengths that do not divide; traced sizes may be symbolic, and the op checks them at run time.
     if not torch.compiler.is_compiling():
         reference.pooling_kernel_size(hidden_states.shape[1], output_length)
-    inputs = (hidden_states, position_ids, padding_positions, output_length, round_average)
-    if reference_only("pool_by_positions", backend, hidden_states, position_ids, padding_positions):
-        return _reference(*inputs)
-    if through_dispatcher(hidden_states, position_ids, padding_positions):
-        return _pool_by_positions_op(*inputs, backend)
-    return _forward(*inputs, backend)
+    args = (hidden_states, position_ids, padding_positions, output_length, round_average)
+    return route(
+        "pool_by_positions", backend, args, reference=_reference, registered=_pool_by_positions_op, direct=_forward
+    )

@@ -3,8 +3,29 @@
 import torch
 
 from .. import reference
-from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from .._validation import check_position_ids_range, check_position_inputs
+from .._dispatch import dispatch, route
+from .._validation import (
+    check_ids_and_padding,
+    check_position_ids_range,
+    check_same_device,
+    check_shape,
+    check_table,
+    check_tensor,
+)
+
+
+def _check_inputs(
+    table: torch.Tensor,
+    position_ids: torch.Tensor,
+    padding_positions: torch.Tensor | None,
+    residual: torch.Tensor | None,
+) -> None:
+    check_table(table)
+    batch, seq_len = check_ids_and_padding(position_ids, padding_positions)
+    if residual is not None:
+        check_tensor("residual", residual, 3, (table.dtype,))
+        check_shape("residual", residual, (batch, seq_len, table.shape[2]), "(B, N, D)")
+    check_same_device(table=table, position_ids=position_ids, padding_positions=padding_positions, residual=residual)
 
 
 def _triton(table, position_ids, padding_positions, residual):
@@ -149,12 +170,10 @@ def position_embeddings(
         A new (B, N, D) tensor in the table's dtype, bit-identical to the one-hot formulation.
         Padding rows hold 0 (or the residual row). Differentiable in ``table`` and ``residual``.
     """
-    check_position_inputs(table, position_ids, padding_positions, residual)
-    check_backend(backend)
+    _check_inputs(table, position_ids, padding_positions, residual)
     if padding_positions is None:
         padding_positions = reference.default_padding_positions(position_ids)
-    if reference_only("position_embeddings", backend, table, position_ids, padding_positions, residual):
-        return _reference(table, position_ids, padding_positions, residual)
-    if through_dispatcher(table, position_ids, padding_positions, residual):
-        return _position_embeddings_op(table, position_ids, padding_positions, residual, backend)
-    return _forward(table, position_ids, padding_positions, residual, backend)
+    args = (table, position_ids, padding_positions, residual)
+    return route(
+        "position_embeddings", backend, args, reference=_reference, registered=_position_embeddings_op, direct=_forward
+    )

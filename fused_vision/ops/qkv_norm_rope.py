@@ -4,9 +4,41 @@ registration."""
 import torch
 
 from .. import reference
-from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from .._validation import check_qkv_norm_rope_inputs
+from .._dispatch import dispatch, route
+from .._validation import (
+    FLOAT_DTYPES,
+    INDEX_DTYPES,
+    check_clamps,
+    check_eps,
+    check_norm_weight,
+    check_same_device,
+    check_shape,
+    check_tensor,
+)
 from ._recompute import reference_grads
+
+
+def _check_inputs(qkv, position_ids, q_weight, k_weight, inv_freq, num_heads, num_kv_heads, eps, clamps):
+    check_tensor("qkv", qkv, 2, FLOAT_DTYPES)
+    check_tensor("q_weight", q_weight, 1, FLOAT_DTYPES)
+    head_dim = q_weight.shape[0]
+    if head_dim == 0 or head_dim % 4:
+        raise ValueError(f"q_weight: expected shape (head_dim,) with head_dim a positive multiple of 4, got {head_dim}")
+    check_norm_weight("k_weight", k_weight, head_dim, "(head_dim,)")
+    for name, heads in (("num_heads", num_heads), ("num_kv_heads", num_kv_heads)):
+        if isinstance(heads, bool) or not isinstance(heads, (int, torch.SymInt)) or heads < 1:
+            raise ValueError(f"{name}: expected a positive int, got {heads!r}")
+    columns = (num_heads + 2 * num_kv_heads) * head_dim
+    check_shape("qkv", qkv, (qkv.shape[0], columns), "(T, (num_heads + 2 * num_kv_heads) * head_dim)")
+    check_tensor("position_ids", position_ids, 2, INDEX_DTYPES)
+    check_shape("position_ids", position_ids, (qkv.shape[0], 2), "(T, 2)")
+    check_tensor("inv_freq", inv_freq, 1, (torch.float32,))
+    check_shape("inv_freq", inv_freq, (head_dim // 4,), "(head_dim // 4,)")
+    check_eps(eps)
+    check_clamps(clamps, 3, "q, k, v")
+    check_same_device(
+        qkv=qkv, position_ids=position_ids, q_weight=q_weight, k_weight=k_weight, inv_freq=inv_freq, clamps=clamps
+    )
 
 
 def _triton(*args):
@@ -15,9 +47,14 @@ def _triton(*args):
     return launch(*args)
 
 
+def _reference(*args):
+    # Contiguous, as the kernel's outputs and the op's fake, on every path.
+    return tuple(t.contiguous() for t in reference.qkv_norm_rope(*args))
+
+
 def _forward(qkv, position_ids, q_weight, k_weight, inv_freq, num_heads, num_kv_heads, eps, clamps, backend):
     args = (qkv, position_ids, q_weight, k_weight, inv_freq, num_heads, num_kv_heads, eps, clamps)
-    return dispatch("qkv_norm_rope", backend, qkv.device, _triton, reference.qkv_norm_rope, *args)
+    return dispatch("qkv_norm_rope", backend, qkv.device, _triton, _reference, *args)
 
 
 @torch.library.custom_op("fused_vision::qkv_norm_rope", mutates_args=())
@@ -100,11 +137,5 @@ def qkv_norm_rope(
         Differentiable in qkv, the weights and inv_freq.
     """
     args = (qkv, position_ids, q_weight, k_weight, inv_freq, num_heads, num_kv_heads, eps, clamps)
-    check_qkv_norm_rope_inputs(*args)
-    check_backend(backend)
-    tensors = (qkv, position_ids, q_weight, k_weight, inv_freq, clamps)
-    if reference_only("qkv_norm_rope", backend, *tensors):
-        return reference.qkv_norm_rope(*args)
-    if through_dispatcher(*tensors):
-        return _qkv_norm_rope_op(*args, backend)
-    return _forward(*args, backend)
+    _check_inputs(*args)
+    return route("qkv_norm_rope", backend, args, reference=_reference, registered=_qkv_norm_rope_op, direct=_forward)

@@ -4,9 +4,22 @@ registration."""
 import torch
 
 from .. import reference
-from .._dispatch import check_backend, dispatch, reference_only, through_dispatcher
-from .._validation import check_residual_rms_norm_inputs
+from .._dispatch import dispatch, route
+from .._validation import FLOAT_DTYPES, check_eps, check_norm_weight, check_same_device, check_shape, check_tensor
 from ._recompute import reference_grads
+
+
+def _check_inputs(x, residual, post_weight, next_weight, eps):
+    check_tensor("x", x, x.dim() if isinstance(x, torch.Tensor) else 1, FLOAT_DTYPES)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"x: expected shape (..., D) with D >= 1, got {tuple(x.shape)}")
+    check_tensor("residual", residual, x.dim(), (x.dtype,))
+    check_shape("residual", residual, x.shape, "x's shape")
+    check_tensor("post_weight", post_weight, 1, FLOAT_DTYPES)
+    check_norm_weight("post_weight", post_weight, x.shape[-1], "(D,)")
+    check_norm_weight("next_weight", next_weight, x.shape[-1], "(D,)")
+    check_eps(eps)
+    check_same_device(x=x, residual=residual, post_weight=post_weight, next_weight=next_weight)
 
 
 def _triton(*args):
@@ -63,6 +76,12 @@ def _backward(ctx, grad_h, grad_y):
 _residual_rms_norm_op.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _through_op(x, residual, post_weight, next_weight, eps, backend):
+    """The registered op, whose y is an empty tensor without ``next_weight`` (an op returns no None)."""
+    h, y = _residual_rms_norm_op(x, residual, post_weight, next_weight, eps, backend)
+    return h, None if next_weight is None else y
+
+
 def residual_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,
@@ -88,12 +107,6 @@ def residual_rms_norm(
         stock's layer rounds: within one rounding of the hidden dtype (the norms' fp32 sum order).
         Differentiable in x, residual and both weights.
     """
-    check_residual_rms_norm_inputs(x, residual, post_weight, next_weight, eps)
-    check_backend(backend)
-    tensors = (x, residual, post_weight, next_weight)
-    if reference_only("residual_rms_norm", backend, *tensors):
-        return reference.residual_rms_norm(x, residual, post_weight, next_weight, eps)
-    if through_dispatcher(*tensors):
-        h, y = _residual_rms_norm_op(x, residual, post_weight, next_weight, eps, backend)
-        return h, None if next_weight is None else y
-    return _forward(x, residual, post_weight, next_weight, eps, backend)
+    _check_inputs(x, residual, post_weight, next_weight, eps)
+    args = (x, residual, post_weight, next_weight, eps)
+    return route("residual_rms_norm", backend, args, reference=_reference, registered=_through_op, direct=_forward)
