@@ -193,7 +193,7 @@ def pool_by_positions_backward(
     return grad.to(hidden_dtype).masked_fill(padding_positions.unsqueeze(-1), 0.0)
 
 
-def position_embeddings_table_grad(
+def position_embeddings_backward(
     grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
 ) -> torch.Tensor:
     """fp32 (2, P, D) gradient of the lookup's table: non-padding rows scatter-added into [axis, id].

@@ -18,7 +18,7 @@ The sum order is fixed by the loop, so results are bit-identical across runs; th
 take minima and maxima of integers, which no order changes.
 
 The backward reruns launch 1 for the slots and gathers each patch's row of the pooled gradient
-(``_hidden_states_grad_kernel``): one (B, N, D) write in the hidden dtype, where stock autograd first
+(``_pool_by_positions_backward_kernel``): one (B, N, D) write in the hidden dtype, where stock autograd first
 writes an fp32 (B, N, D) matmul output.
 """
 
@@ -171,7 +171,7 @@ def _pool_by_positions_kernel(
 
 
 @triton.jit
-def _hidden_states_grad_kernel(
+def _pool_by_positions_backward_kernel(
     grad_pooled_ptr,
     codes_ptr,
     grad_hidden_ptr,
@@ -338,7 +338,7 @@ def pool_by_positions(
     return pooled, mask, overflow
 
 
-def hidden_states_grad(
+def pool_by_positions_backward(
     grad_pooled: torch.Tensor,
     position_ids: torch.Tensor,
     padding_positions: torch.Tensor,
@@ -360,7 +360,7 @@ def hidden_states_grad(
     num_rows = batch * seq_len
     block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
-    _hidden_states_grad_kernel[grid](
+    _pool_by_positions_backward_kernel[grid](
         grad_pooled,
         codes,
         grad_hidden,

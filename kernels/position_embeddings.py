@@ -198,7 +198,7 @@ def position_embeddings(
 
 
 @triton.jit
-def _table_grad_kernel(
+def _position_embeddings_backward_kernel(
     grad_ptr,
     ids_ptr,
     padding_ptr,
@@ -250,7 +250,7 @@ def _table_grad_kernel(
     tl.atomic_add(y_rows, grad, mask=scatter, sem="relaxed")
 
 
-def table_grad(
+def position_embeddings_backward(
     grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
 ) -> torch.Tensor:
     """The fp32 (2, P, D) gradient of the lookup's table; the order of the atomic adds is not fixed."""
@@ -262,7 +262,7 @@ def table_grad(
         return acc
     block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
-    _table_grad_kernel[grid](
+    _position_embeddings_backward_kernel[grid](
         grad,
         position_ids,
         padding_positions.view(torch.uint8),

@@ -7,7 +7,7 @@ import torch
 
 import fused_vision
 from fused_vision._validation import id_checks_enabled
-from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_table_grad
+from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_backward
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
 from op_cases import grid_ids
@@ -78,7 +78,7 @@ def test_negative_ids_read_row_zero_as_stock(poisoned, backend):
     assert (out[0, 1] != 0).all() and (out[1, 4] != 0).all() and (out[1, 0] == 0).all()
     grad = torch.randn_like(out)
     out.backward(grad)
-    expected = position_embeddings_table_grad(grad, ids, padding, table.shape[1])
+    expected = position_embeddings_backward(grad, ids, padding, table.shape[1])
     assert_close(table.grad, expected, atol=1e-6, rtol=1e-6, what="table gradient")
 
 
@@ -200,7 +200,10 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
             lambda: position_embeddings_kernels.position_embeddings(table, ids, padding, rows),
             [table, rows],
         ),
-        "table_grad": (lambda: position_embeddings_kernels.table_grad(rows, ids, padding, 20), [rows]),
+        "position_embeddings_backward": (
+            lambda: position_embeddings_kernels.position_embeddings_backward(rows, ids, padding, 20),
+            [rows],
+        ),
         "patch_embed": (
             lambda: patch_embed_kernels.patch_embed(pixels, weight, table, ids, padding),
             [pixels, weight, table],
@@ -209,8 +212,10 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
             lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, pool_ids, pool_padding, 1, 2),
             [hidden_states],
         ),
-        "hidden_states_grad": (
-            lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, pool_ids, pool_padding, 2, torch.float32),
+        "pool_by_positions_backward": (
+            lambda: pool_by_positions_kernels.pool_by_positions_backward(
+                grad_pooled, pool_ids, pool_padding, 2, torch.float32
+            ),
             [grad_pooled],
         ),
     }

@@ -59,8 +59,8 @@ POINTER_TYPES = {
 STREAMING, TILE, PER_ITEM = 1 / 8, 1 / 16, 1 / 16
 FLOORS = {
     "position_embeddings": STREAMING,
-    "table_grad": STREAMING,
-    "pool_backward": STREAMING,
+    "position_embeddings_backward": STREAMING,
+    "pool_by_positions_backward": STREAMING,
     "gelu_gate": STREAMING,
     "residual_rms_norm": STREAMING,
     "qkv_norm_rope": STREAMING,

@@ -135,9 +135,17 @@ def launches():
             )
 
         grad = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
-        call = lambda: position_embeddings_kernels.table_grad(grad, ids, padding, POSITIONS)
-        ((args, kwargs),) = capture_launches(position_embeddings_kernels, ("_table_grad_kernel",), call)
-        yield Launch("table_grad", name(dtype), position_embeddings_kernels._table_grad_kernel, args, kwargs)
+        call = lambda: position_embeddings_kernels.position_embeddings_backward(grad, ids, padding, POSITIONS)
+        ((args, kwargs),) = capture_launches(
+            position_embeddings_kernels, ("_position_embeddings_backward_kernel",), call
+        )
+        yield Launch(
+            "position_embeddings_backward",
+            name(dtype),
+            position_embeddings_kernels._position_embeddings_backward_kernel,
+            args,
+            kwargs,
+        )
 
         hidden_states = torch.randn(BATCH, PATCHES, HIDDEN).to(dtype)
         call = lambda: pool_by_positions_kernels.pool_by_positions(hidden_states, ids, padding, PATCHES // 9, 3)
@@ -151,14 +159,14 @@ def launches():
                 yield Launch("pool_by_positions", variant + label, kernel, args, launch, offered)
 
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
-        call = lambda: pool_by_positions_kernels.hidden_states_grad(grad_pooled, ids, padding, 3, dtype)
+        call = lambda: pool_by_positions_kernels.pool_by_positions_backward(grad_pooled, ids, padding, 3, dtype)
         _, (args, kwargs) = capture_launches(
-            pool_by_positions_kernels, ("_patch_slots_kernel", "_hidden_states_grad_kernel"), call
+            pool_by_positions_kernels, ("_patch_slots_kernel", "_pool_by_positions_backward_kernel"), call
         )
         for rounded, label in averages:
             launch = kwargs | {"ROUND_AVERAGE": rounded}
-            kernel = pool_by_positions_kernels._hidden_states_grad_kernel
-            yield Launch("pool_backward", name(dtype) + label, kernel, args, launch)
+            kernel = pool_by_positions_kernels._pool_by_positions_backward_kernel
+            yield Launch("pool_by_positions_backward", name(dtype) + label, kernel, args, launch)
 
         weight = torch.randn(HIDDEN, FEATURES).to(dtype)
         # fp16 pixels take a branch of their own in the prologue (the fp16 doubling)

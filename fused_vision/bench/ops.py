@@ -31,7 +31,7 @@ class Unsupported(Exception):
     """A provider that cannot run here; the bench logs why and goes on."""
 
 
-def lookup_bytes(patches: int, hidden: int, table_rows: int, dtype: torch.dtype) -> int:
+def position_embeddings_bytes(patches: int, hidden: int, table_rows: int, dtype: torch.dtype) -> int:
     """ids (B, N, 2) + padding (B, N) read, ``table_rows`` rows of D read, (B, N, D) written."""
     return patches * (2 * ID_BYTES + BOOL_BYTES) + (table_rows + patches) * hidden * dtype.itemsize
 
@@ -40,21 +40,21 @@ def patch_embed_bytes(patches: int, hidden: int, table_rows: int, dtype: torch.d
     """The lookup's bytes plus the (B, N, K) float32 pixels and the (D, K) weight."""
     pixels = patches * PATCH_FEATURES * torch.float32.itemsize
     weight = hidden * PATCH_FEATURES * dtype.itemsize
-    return pixels + weight + lookup_bytes(patches, hidden, table_rows, dtype)
+    return pixels + weight + position_embeddings_bytes(patches, hidden, table_rows, dtype)
 
 
 def patch_embed_flops(patches: int, hidden: int) -> int:
     return 2 * patches * PATCH_FEATURES * hidden
 
 
-def pooler_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
+def pool_by_positions_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
     """(B, N, D) hidden states, ids and padding read; (B, L, D) float32 pooled and (B, L) mask written."""
     patches, slots = case.patches, case.items * case.soft_tokens
     read = patches * (hidden * dtype.itemsize + 2 * ID_BYTES + BOOL_BYTES)
     return read + slots * (hidden * torch.float32.itemsize + BOOL_BYTES)
 
 
-def lookup_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) -> int:
+def position_embeddings_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) -> int:
     """(B, N, D) output gradient, ids and padding read; the dense (2, P, D) table gradient written."""
     read = patches * (hidden * dtype.itemsize + 2 * ID_BYTES + BOOL_BYTES)
     return read + 2 * POSITION_EMBEDDING_SIZE * hidden * dtype.itemsize
@@ -63,10 +63,12 @@ def lookup_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) -> int:
 def patch_embed_backward_bytes(patches: int, hidden: int, dtype: torch.dtype) -> int:
     """The lookup's backward bytes plus the (B, N, K) float32 pixels read and the (D, K) weight gradient written."""
     pixels = patches * PATCH_FEATURES * torch.float32.itemsize
-    return pixels + hidden * PATCH_FEATURES * dtype.itemsize + lookup_backward_bytes(patches, hidden, dtype)
+    return (
+        pixels + hidden * PATCH_FEATURES * dtype.itemsize + position_embeddings_backward_bytes(patches, hidden, dtype)
+    )
 
 
-def pooler_backward_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
+def pool_by_positions_backward_bytes(case: Case, hidden: int, dtype: torch.dtype) -> int:
     """(B, L, D) float32 pooled gradient, ids and padding read; the (B, N, D) hidden-state gradient written."""
     slots = case.items * case.soft_tokens
     return slots * hidden * torch.float32.itemsize + case.patches * (
@@ -118,7 +120,7 @@ class PositionEmbeddings(_TableBench):
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
-        self.model_bytes = lookup_bytes(case.patches, hidden, self.table_rows, dtype)
+        self.model_bytes = position_embeddings_bytes(case.patches, hidden, self.table_rows, dtype)
         self.args = (self.table, self.ids, self.padding)
 
     def onehot(self):
@@ -184,7 +186,7 @@ class PoolByPositions(StemBench):
         super().__init__(case, hidden, dtype, device)
         hidden_states = torch.randn(case.items, case.patches_per_item, hidden, device=device).to(dtype)
         self.args = (hidden_states, self.ids, self.padding, case.soft_tokens)
-        self.model_bytes = pooler_bytes(case, hidden, dtype)
+        self.model_bytes = pool_by_positions_bytes(case, hidden, dtype)
 
     def onehot(self):
         return partial(reference.onehot_pool_by_positions, *self.args)
@@ -226,7 +228,7 @@ class PositionEmbeddingsBackward(_TableBench):
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
         self.grad_output = torch.randn(case.items, case.patches_per_item, hidden, device=device).to(dtype)
-        self.model_bytes = lookup_backward_bytes(case.patches, hidden, dtype)
+        self.model_bytes = position_embeddings_backward_bytes(case.patches, hidden, dtype)
 
     def _call(self, lookup: Callable) -> Callable[[], object]:
         return backward_call(lambda table: lookup(table, self.ids, self.padding), (self.table,), self.grad_output)
@@ -287,7 +289,7 @@ class PoolByPositionsBackward(StemBench):
         super().__init__(case, hidden, dtype, device)
         self.hidden_states = torch.randn(case.items, case.patches_per_item, hidden, device=device).to(dtype)
         self.grad_output = torch.randn(case.items, case.soft_tokens, hidden, device=device)
-        self.model_bytes = pooler_backward_bytes(case, hidden, dtype)
+        self.model_bytes = pool_by_positions_backward_bytes(case, hidden, dtype)
 
     def _call(self, pool: Callable) -> Callable[[], object]:
         def forward(hidden_states):

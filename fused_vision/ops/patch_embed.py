@@ -15,7 +15,7 @@ from .._validation import (
     check_table,
     check_tensor,
 )
-from .position_embeddings import table_grad
+from .position_embeddings import position_embeddings_backward
 
 
 def _check_inputs(
@@ -124,7 +124,9 @@ def _backward(ctx, grad):
         projected = reference.prescale_pixels(pixel_values, ctx.weight_dtype)
         grad_weight = grad.flatten(0, 1).t() @ projected.flatten(0, 1)
     if ctx.needs_input_grad[2]:
-        grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, ctx.weight_dtype, ctx.backend)
+        grad_table = position_embeddings_backward(
+            grad, position_ids, padding_positions, ctx.num_positions, ctx.weight_dtype, ctx.backend
+        )
     return grad_pixels, grad_weight, grad_table, None, None, None
 
 

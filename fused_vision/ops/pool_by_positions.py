@@ -98,7 +98,7 @@ def _(hidden_states, position_ids, padding_positions, output_length, round_avera
 
 
 def _triton_backward(grad_pooled, position_ids, padding_positions, output_length, hidden_dtype, round_average):
-    from ..kernels.pool_by_positions import hidden_states_grad as launch
+    from ..kernels.pool_by_positions import pool_by_positions_backward as launch
 
     seq_len = position_ids.shape[1]
     if seq_len == output_length:  # no pooling: a scale and a mask, nothing for a kernel to fuse

@@ -73,14 +73,14 @@ def _(table, position_ids, padding_positions, residual, backend):
     return table.new_empty((*position_ids.shape[:2], table.shape[2]))
 
 
-def _triton_table_grad(grad, position_ids, padding_positions, num_positions):
-    from ..kernels.position_embeddings import table_grad as launch
+def _triton_backward(grad, position_ids, padding_positions, num_positions):
+    from ..kernels.position_embeddings import position_embeddings_backward as launch
 
     return launch(grad, position_ids, padding_positions, num_positions)
 
 
-@torch.library.custom_op("fused_vision::position_embeddings_table_grad", mutates_args=())
-def table_grad(
+@torch.library.custom_op("fused_vision::position_embeddings_backward", mutates_args=())
+def position_embeddings_backward(
     grad: torch.Tensor,
     position_ids: torch.Tensor,
     padding_positions: torch.Tensor,
@@ -95,37 +95,37 @@ def table_grad(
     """
     args = (grad, position_ids, padding_positions, num_positions)
     if torch.are_deterministic_algorithms_enabled():
-        return reference.position_embeddings_table_grad(*args).to(dtype)
+        return reference.position_embeddings_backward(*args).to(dtype)
     return dispatch(
-        "position_embeddings_table_grad",
+        "position_embeddings_backward",
         backend,
         grad.device,
-        _triton_table_grad,
-        reference.position_embeddings_table_grad,
+        _triton_backward,
+        reference.position_embeddings_backward,
         *args,
     ).to(dtype)
 
 
-@table_grad.register_fake
+@position_embeddings_backward.register_fake
 def _(grad, position_ids, padding_positions, num_positions, dtype, backend):
     return grad.new_empty((2, num_positions, grad.shape[2]), dtype=dtype)
 
 
-def _table_grad_setup_context(ctx, inputs, output):
+def _backward_setup_context(ctx, inputs, output):
     grad, position_ids, padding_positions, num_positions, dtype, backend = inputs
     ctx.save_for_backward(position_ids, padding_positions)
     ctx.grad_dtype, ctx.backend = grad.dtype, backend
 
 
-def _table_grad_backward(ctx, grad_of_table_grad):
+def _backward_backward(ctx, grad_of_grad_table):
     """Double backward: the table gradient is linear in the output gradient, and its transpose is the
     lookup itself (the two rows of each non-padding patch, summed and rounded once)."""
     position_ids, padding_positions = ctx.saved_tensors
-    rows = grad_of_table_grad.to(ctx.grad_dtype)
+    rows = grad_of_grad_table.to(ctx.grad_dtype)
     return position_embeddings(rows, position_ids, padding_positions, backend=ctx.backend), None, None, None, None, None
 
 
-table_grad.register_autograd(_table_grad_backward, setup_context=_table_grad_setup_context)
+position_embeddings_backward.register_autograd(_backward_backward, setup_context=_backward_setup_context)
 
 
 def _setup_context(ctx, inputs, output):
@@ -138,7 +138,9 @@ def _backward(ctx, grad):
     position_ids, padding_positions = ctx.saved_tensors
     grad_table = grad_residual = None
     if ctx.needs_input_grad[0]:
-        grad_table = table_grad(grad, position_ids, padding_positions, ctx.num_positions, ctx.table_dtype, ctx.backend)
+        grad_table = position_embeddings_backward(
+            grad, position_ids, padding_positions, ctx.num_positions, ctx.table_dtype, ctx.backend
+        )
     if ctx.needs_input_grad[3]:
         grad_residual = grad
     return grad_table, None, None, grad_residual, None

@@ -93,12 +93,12 @@ def test_pool_by_positions_backward_bit_identical_to_onehot():
     assert_bit_identical(*grads, "hidden states' gradient")
 
 
-def test_position_embeddings_table_grad_matches_the_deterministic_reference(record_property):
+def test_position_embeddings_backward_matches_the_deterministic_reference(record_property):
     ids = image_ids(SIZES.batch, SIZES.soft_tokens)
     table = torch.randn(2, P, SIZES.hidden, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     grad_out = torch.randn(*ids.shape[:2], SIZES.hidden, device=DEVICE, dtype=torch.bfloat16)
     fused_vision.position_embeddings(table, ids, backend="triton").backward(grad_out)
-    expected = reference.position_embeddings_table_grad(grad_out, ids, reference.default_padding_positions(ids), P)
+    expected = reference.position_embeddings_backward(grad_out, ids, reference.default_padding_positions(ids), P)
     error = float((table.grad.float() - expected.bfloat16().float()).abs().max() / expected.abs().max())
     record_property("max_rel_diff", error)
     assert error < 2**-7, f"table gradient: max difference {error:.3g} of the largest element"

@@ -137,9 +137,9 @@ def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
     recorders = {}
     for module, kernel, tuner in [
         (position_embeddings_kernels, "_position_embeddings_kernel", None),
-        (position_embeddings_kernels, "_table_grad_kernel", None),
+        (position_embeddings_kernels, "_position_embeddings_backward_kernel", None),
         (pool_by_positions_kernels, "_patch_slots_kernel", None),
-        (pool_by_positions_kernels, "_hidden_states_grad_kernel", None),
+        (pool_by_positions_kernels, "_pool_by_positions_backward_kernel", None),
         (pool_by_positions_kernels, "_pool_by_positions_tuned", torch.float16),
         (patch_embed_kernels, "_patch_embed_tuned", torch.float16),
     ]:
@@ -151,9 +151,9 @@ def test_launch_grids_stay_within_cuda_limits(gpu_tiles, monkeypatch):
     rows = torch.zeros(items, seq_len, hidden, dtype=torch.float16, device=DEVICE)
     table = torch.zeros(2, 4, hidden, dtype=torch.float16, device=DEVICE)
     position_embeddings_kernels.position_embeddings(table, ids, padding)
-    position_embeddings_kernels.table_grad(rows, ids, padding, 4)
+    position_embeddings_kernels.position_embeddings_backward(rows, ids, padding, 4)
     pool_by_positions_kernels.pool_by_positions(rows, ids, padding, 1, 2)
-    pool_by_positions_kernels.hidden_states_grad(
+    pool_by_positions_kernels.pool_by_positions_backward(
         torch.zeros(items, 1, hidden, device=DEVICE), ids, padding, 2, torch.float16
     )
     pixels = torch.zeros(items, seq_len, 12, device=DEVICE)

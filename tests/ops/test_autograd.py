@@ -148,13 +148,13 @@ def test_deterministic_algorithms_keep_the_table_gradient_off_the_atomics(monkey
     def no_atomics(*args):
         raise AssertionError("the atomic table-gradient kernel ran under deterministic algorithms")
 
-    monkeypatch.setattr(position_embeddings_kernels, "table_grad", no_atomics)
+    monkeypatch.setattr(position_embeddings_kernels, "position_embeddings_backward", no_atomics)
     torch.use_deterministic_algorithms(True)
     try:
         fused_vision.position_embeddings(table, ids, backend="triton").backward(grad_out)
     finally:
         torch.use_deterministic_algorithms(False)
-    expected = reference.position_embeddings_table_grad(grad_out, ids, reference.default_padding_positions(ids), 7)
+    expected = reference.position_embeddings_backward(grad_out, ids, reference.default_padding_positions(ids), 7)
     assert_bit_identical(table.grad, expected, "table gradient")
 
 
@@ -192,14 +192,14 @@ def op_samples():
         ),
         ("pool_by_positions", (hidden_states.requires_grad_(True), pool_ids, pool_padding, 4, True, "auto")),
         ("pool_by_positions", (hidden_states.to(torch.bfloat16), pool_ids, pool_padding, 4, False, "auto")),
-        ("position_embeddings_table_grad", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
+        ("position_embeddings_backward", (torch.randn(2, 11, 24), ids, padding, 20, torch.bfloat16, "auto")),
         (
             "pool_by_positions_backward",
             (torch.randn(2, 4, 24), pool_ids, pool_padding, 4, torch.bfloat16, True, "auto"),
         ),
         # gradients that require grad: double backward through the backward ops
         (
-            "position_embeddings_table_grad",
+            "position_embeddings_backward",
             (torch.randn(2, 11, 24, requires_grad=True), ids, padding, 20, torch.float32, "auto"),
         ),
         (
