@@ -19,10 +19,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import gemma4, packed, planner
+from . import planner
 from ._chunks import HalvingChunks
 from ._dispatch import warn_once
-from .attention import configured_attention
+from .encoder import packed
+from .encoder.attention import configured_attention
+from .integrations import transformers as gemma4
 
 __all__ = ["encode_images"]
 

@@ -121,7 +121,7 @@ def fused_backend(device: torch.device) -> str:
 def fused_tower(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """A deep copy of ``model`` running the fused encoder (default embedder and pooler too): the other
     providers keep the stock tower, and the copy's concatenated weights share no storage with it."""
-    from fused_vision.gemma4 import apply_fused_vision_to_gemma4
+    from fused_vision.integrations.transformers import apply_fused_vision_to_gemma4
 
     fused = copy.deepcopy(model)
     apply_fused_vision_to_gemma4(fused, encoder="fused", backend=fused_backend(device))
@@ -188,7 +188,7 @@ def bench_encoder(session, op: str, providers: tuple[str, ...], encoder_cases: t
                 f"  fused: a copy of it under apply_fused_vision_to_gemma4(encoder='fused'), "
                 f"backend {fused_backend(device)!r}"
             )
-        except Exception as exc:  # no fused_vision.gemma4 on this transformers: the other providers still run
+        except Exception as exc:  # no fused tower on this transformers: the other providers still run
             for mix in inputs:
                 session.skip(op, "fused", mix, hidden, exc)
             providers = tuple(p for p in providers if p != "fused")

@@ -26,13 +26,15 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import _releases, fused_layer, packed, patching
-from ._dispatch import BACKENDS
-from ._validation import FLOAT_DTYPES, INDEX_DTYPES
-from .encoder import encoder_forward
-from .ops.patch_embed import patch_embed as _fused_patch_embed
-from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
-from .ops.position_embeddings import position_embeddings as _fused_position_embeddings
+from .. import _releases
+from .._dispatch import BACKENDS
+from .._validation import FLOAT_DTYPES, INDEX_DTYPES
+from ..encoder import fused_layer, packed
+from ..encoder.padded import encoder_forward
+from ..ops.patch_embed import patch_embed as _fused_patch_embed
+from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
+from ..ops.position_embeddings import position_embeddings as _fused_position_embeddings
+from . import patching
 
 __all__ = ["EMBEDDER_OPS", "ENCODERS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4"]
 

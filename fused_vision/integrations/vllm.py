@@ -30,9 +30,11 @@ import sys
 import torch
 from torch import nn
 
-from . import encoding, gemma4, patching, planner
-from ._chunks import HalvingChunks
-from ._dispatch import warn_once
+from .. import encoding, planner
+from .._chunks import HalvingChunks
+from .._dispatch import warn_once
+from . import patching
+from . import transformers as gemma4
 
 __all__ = [
     "ENV_VLLM",

@@ -40,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _releases, linears
-from ._dispatch import warn_once
-from ._validation import FLOAT_DTYPES
-from .ops.gelu_gate import gelu_gate
-from .ops.qkv_norm_rope import qkv_norm_rope
-from .ops.residual_rms_norm import residual_rms_norm
+from .. import _releases
+from .._dispatch import warn_once
+from .._validation import FLOAT_DTYPES
+from ..ops.gelu_gate import gelu_gate
+from ..ops.qkv_norm_rope import qkv_norm_rope
+from ..ops.residual_rms_norm import residual_rms_norm
+from . import linears
 
 __all__ = [
     "attend_valid_keys",

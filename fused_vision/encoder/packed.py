@@ -23,7 +23,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import attention, fused_layer, patching
+from ..integrations import patching
+from . import attention, fused_layer
 from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
 __all__ = [

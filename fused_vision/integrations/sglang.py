@@ -17,8 +17,9 @@ import os
 import torch
 from torch import nn
 
-from . import gemma4, patching, sglang_packed
-from .ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
+from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
+from . import patching, sglang_packed
+from . import transformers as gemma4
 
 __all__ = ["apply_fused_vision_to_sglang_gemma4", "revert_fused_vision_sglang_gemma4", "sglang_plugin"]
 

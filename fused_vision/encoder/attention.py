@@ -36,8 +36,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _releases, patching
-from ._dispatch import warn_once
+from .. import _releases
+from .._dispatch import warn_once
+from ..integrations import patching
 
 logger = logging.getLogger("fused_vision")
 

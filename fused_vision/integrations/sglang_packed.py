@@ -15,8 +15,9 @@ import functools
 import torch
 from torch import nn
 
-from . import packed, patching
-from .attention import Packing
+from ..encoder import packed
+from ..encoder.attention import Packing
+from . import patching
 
 __all__ = ["VARLEN_BACKENDS", "encoder_target", "packed_encoder_forward"]
 

@@ -18,7 +18,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import fused_layer, packed, patching
+from ..integrations import patching
+from . import fused_layer, packed
 from .attention import attention_supported
 
 __all__ = ["encoder_forward", "packs"]
