@@ -18,8 +18,7 @@ import torch
 from torch import nn
 
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
-from . import patching, sglang_packed
-from . import transformers as gemma4
+from . import patching, sglang_packed, stem
 
 __all__ = ["apply_fused_vision_to_sglang_gemma4", "revert_fused_vision_sglang_gemma4", "sglang_plugin"]
 
@@ -62,9 +61,9 @@ def _fused_rows(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) -> 
     where stock runs: inputs the op does not take, and where stock skips the pooling (N == L: a scale,
     nothing to fuse; EmbeddingGemma2's mask is then ``~padding_positions``)."""
     hidden_states, _, _, output_length = inputs
-    if args or kwargs or not gemma4.pooler_runs_fused(pooler, *inputs) or output_length == hidden_states.shape[1]:
+    if args or kwargs or not stem.pooler_runs_fused(pooler, *inputs) or output_length == hidden_states.shape[1]:
         return None
-    return gemma4.broadcast_rows(*inputs[:3])
+    return stem.broadcast_rows(*inputs[:3])
 
 
 def _pooler_forward(self, hidden_states, patch_positions, padding_positions, output_length=None, *args, **kwargs):
@@ -145,15 +144,15 @@ def apply_fused_vision_to_sglang_gemma4(
     poolers = [(vision.Gemma4VisionPooler, _pooler_forward)]
     poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
     caller = "apply_fused_vision_to_sglang_gemma4"
-    release = dict(onehot_lookup=gemma4.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
+    release = dict(onehot_lookup=stem.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
     if encoder not in ENCODERS:
         raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
     encoder_target = None
     if encoder == "packed":
-        state = gemma4.FusedOp("packed_encoder", backend, **release)
+        state = stem.FusedOp("packed_encoder", backend, **release)
         encoder_target = sglang_packed.encoder_target(vision.Gemma4VisionEncoder, state)
     options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=encoder_target)
-    targets = gemma4.tower_targets(caller, vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
+    targets = stem.tower_targets(caller, vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
     hint = (
         "Pass SGLang's Gemma4ForConditionalGeneration, EmbeddingGemma2Model or Gemma4VisionEncoder (for "
         "transformers' Gemma 4, apply_fused_vision_to_gemma4), or call it with model=None before the model is built."

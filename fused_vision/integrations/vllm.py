@@ -34,7 +34,7 @@ from .. import encoding, planner
 from .._chunks import HalvingChunks
 from .._dispatch import warn_once
 from . import patching
-from . import transformers as gemma4
+from .transformers import ENCODERS, apply_fused_vision_to_gemma4
 
 __all__ = [
     "ENV_VLLM",
@@ -193,8 +193,8 @@ def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
         ValueError: an unknown ``encoder``.
         ImportError: vLLM or its Gemma 4 model is missing (transformers' too, for a packed or fused encoder).
     """
-    if encoder not in gemma4.ENCODERS:
-        raise ValueError(f"encoder: expected one of {gemma4.ENCODERS}, got {encoder!r}")
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
     cls = _model_class()
     methods = _methods(cls)
     missing = [name for name in methods if patching.stock_attribute(cls, name) is patching.MISSING]
@@ -204,7 +204,7 @@ def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
     if missing:
         warn_once(f"fused_vision: vLLM's {cls.__name__} has no {' or '.join(missing)}: no out-of-memory guard there")
     if encoder != "stock":
-        gemma4.apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
+        apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
     methods = {name: method for name, method in methods.items() if name not in missing}
     patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _STATE)], "")
     return len(methods)
@@ -230,13 +230,13 @@ def vllm_plugin() -> None:
     if os.environ.get(ENV_VLLM) != "1":
         return
     encoder = os.environ.get(ENV_VLLM_ENCODER) or "stock"
-    if encoder not in gemma4.ENCODERS:
+    if encoder not in ENCODERS:
         logger.warning(
-            "fused_vision: %s=%r is none of %s: the encoder stays stock", ENV_VLLM_ENCODER, encoder, gemma4.ENCODERS
+            "fused_vision: %s=%r is none of %s: the encoder stays stock", ENV_VLLM_ENCODER, encoder, ENCODERS
         )
         encoder = "stock"
     for what, apply in (
-        ("Gemma 4", gemma4.apply_fused_vision_to_gemma4),
+        ("Gemma 4", apply_fused_vision_to_gemma4),
         ("vLLM's Gemma 4", functools.partial(apply_fused_vision_to_vllm_gemma4, encoder=encoder)),
     ):
         try:
