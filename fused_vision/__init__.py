@@ -29,7 +29,7 @@ _MOVED = {
     "packed": packed,
     "patching": patching,
     "sglang": sglang,
-    "sglang_packed": sglang.sglang_packed,
+    "sglang_packed": sglang,
     "vllm": vllm,
 }
 for _name, _module in _MOVED.items():

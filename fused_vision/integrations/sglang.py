@@ -3,13 +3,15 @@
     apply_fused_vision_to_sglang_gemma4()        # the classes, before SGLang builds the model
     apply_fused_vision_to_sglang_gemma4(model)   # the instances inside a model that is already built
 
-The embedder becomes ``fused_vision.patch_embed`` (or stock's with the lookup swapped), the pooler and
-EmbeddingGemma2's pooler fused_vision's; SGLang's scheduler processes get it through its plugin loader
+The embedder runs ``integrations.stem``'s forwards, the poolers (Gemma 4's, EmbeddingGemma2's) this
+module's; ``encoder="packed"`` runs SGLang's own encoder on each item's real patches, whose FA3 and
+Triton backends drop stock's padding mask. SGLang's processes get it through its plugin loader
 (``FUSED_VISION_SGLANG=1``, ``sglang_plugin``). Details: docs/sglang.md.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import os
@@ -17,18 +19,30 @@ import os
 import torch
 from torch import nn
 
+from ..encoder import packed
+from ..encoder.attention import Packing
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
-from . import patching, sglang_packed, stem
+from . import patching, stem
 
-__all__ = ["apply_fused_vision_to_sglang_gemma4", "revert_fused_vision_sglang_gemma4", "sglang_plugin"]
+__all__ = [
+    "VARLEN_BACKENDS",
+    "apply_fused_vision_to_sglang_gemma4",
+    "encoder_target",
+    "packed_encoder_forward",
+    "revert_fused_vision_sglang_gemma4",
+    "sglang_plugin",
+]
 
 logger = logging.getLogger("fused_vision")
 
 SGLANG_MODULE = "sglang.srt.models.gemma4_vision"
 SGLANG_EMBEDDING_MODULE = "sglang.srt.models.embedding_gemma2"
 ENV_SGLANG = "FUSED_VISION_SGLANG"
-# What ``encoder=`` takes here: SGLang's own padded encoder, or it packed (``fused_vision.sglang_packed``).
+# What ``encoder=`` takes here: SGLang's own padded encoder, or it packed (``packed_encoder_forward``).
 ENCODERS = ("stock", "packed")
+# SGLang's attention backends (``QKV_BACKEND_IMPL`` names) that attend within each cu_seqlens segment of
+# one (T, H, d) sequence: flash-attn's varlen layout.
+VARLEN_BACKENDS = ("triton_attn", "fa3", "fa4", "aiter_attn")
 
 
 def _sglang_vision():
@@ -54,6 +68,9 @@ def _embedding_pooler_classes() -> list[type]:
         return []
     pooler = getattr(module, "EmbeddingGemma2VisionPooler", None)
     return [pooler] if isinstance(pooler, type) else []
+
+
+# ---- the poolers --------------------------------------------------------------------------------------
 
 
 def _fused_rows(pooler: nn.Module, inputs: tuple, args: tuple, kwargs: dict) -> tuple | None:
@@ -105,6 +122,141 @@ def _embedding_pooler_forward(
     return pooled.to(hidden_states.dtype), mask[: patch_positions.shape[0]]
 
 
+# ---- the packed encoder inside SGLang's ``Gemma4VisionEncoder`` --------------------------------------
+
+
+class _Varlen:
+    """A layer's attention backend for one packed call, handed the packing's boundaries: SGLang's attention
+    passes every argument by keyword, ``cu_seqlens=None`` among them."""
+
+    def __init__(self, backend: nn.Module, packing: Packing):
+        self.backend, self.packing = backend, packing
+
+    def forward(self, **kwargs):
+        boundaries = {"cu_seqlens": self.packing.cu_seqlens, "max_seqlen": self.packing.longest}
+        return self.backend.forward(**{**kwargs, **boundaries})
+
+    __call__ = forward
+
+
+def _attention_forward(self, *args, **kwargs):
+    """SGLang's ``Gemma4VisionAttention.forward``: stock's; where its mask is a ``Packing``, stock's without
+    a mask on a view of the module whose backend attends within the packing's items."""
+    packing = next((value for value in (*args, *kwargs.values()) if isinstance(value, Packing)), None)
+    if packing is not None:
+        args = tuple(None if value is packing else value for value in args)
+        kwargs = {name: None if value is packing else value for name, value in kwargs.items()}
+        self = patching.call_view(self, qkv_backend=_Varlen(self.qkv_backend, packing))
+    return patching.stock_method(self, "forward")(*args, **kwargs)
+
+
+def _keyword_names(code) -> set[str]:
+    names = set()
+    for const in code.co_consts:
+        if isinstance(const, tuple):
+            names.update(item for item in const if isinstance(item, str))
+    return names
+
+
+@functools.cache
+def _attention_takes_boundaries(attention_cls: type) -> bool:
+    """Whether ``attention_cls``'s stock forward calls its ``qkv_backend.forward`` with keywords only,
+    cu_seqlens and attention_mask among them: where it does not, the backend cannot be handed the boundaries."""
+    code = getattr(patching.stock_attribute(attention_cls, "forward"), "__code__", None)
+    if code is None or "qkv_backend" not in code.co_names:
+        return False
+    return {"cu_seqlens", "attention_mask", "bsz", "seq_len"} <= _keyword_names(code)
+
+
+def _vit_cuda_graph() -> bool:
+    try:
+        from sglang.srt.environ import envs
+
+        return bool(envs.SGLANG_VIT_ENABLE_CUDA_GRAPH.get())
+    except (ImportError, AttributeError):
+        return False
+
+
+def _install(vision) -> None:
+    """SGLang's ``Gemma4VisionAttention.forward`` patched to take a ``Packing`` (stock's for every other
+    call): once, and again after a revert restored the class."""
+    attention_cls = vision.Gemma4VisionAttention
+    if attention_cls.__dict__.get("forward") is not _attention_forward:
+        patching.install_methods(attention_cls, {"forward": _attention_forward})
+
+
+def _varlen(vision, transformer) -> bool:
+    """Whether every layer takes the packed sequence with a ``Packing``: SGLang's own attention forward,
+    which hands a backend that attends within cu_seqlens segments the boundaries."""
+    if not _attention_takes_boundaries(vision.Gemma4VisionAttention):
+        return False
+    _install(vision)
+    for layer in transformer.layers:
+        attention = layer.self_attn
+        backend = type(getattr(attention, "qkv_backend", None))
+        if type(attention).forward is not _attention_forward:  # a subclass's own forward
+            return False
+        if not any(backend is vision.QKV_BACKEND_IMPL.get(name) for name in VARLEN_BACKENDS):
+            return False
+    return True
+
+
+def _encode(vision, transformer, inputs_embeds, ids, lengths) -> torch.Tensor:
+    """SGLang's encoder on the (1, T, D) packed sequence, attention within each item: (T, D)."""
+    if _varlen(vision, transformer):
+        packing = Packing.of(lengths, inputs_embeds.device)
+        return transformer(inputs_embeds=inputs_embeds, attention_mask=packing, patch_positions=ids)[0]
+    items = zip(torch.split(inputs_embeds[0], lengths), torch.split(ids[0], lengths))
+    return torch.cat(
+        [transformer(inputs_embeds=e[None], attention_mask=None, patch_positions=i[None])[0] for e, i in items]
+    )
+
+
+def _takes(vision, encoder, pixel_values, pixel_position_ids, args, kwargs) -> bool:
+    """Whether the packed forward returns what stock would: SGLang's own modules, padded (B, N, ·) tensors
+    with N a multiple of k^2; else stock runs (and raises where it raises)."""
+    if args or kwargs or _vit_cuda_graph():
+        return False
+    if not isinstance(getattr(encoder, "encoder", None), vision.Gemma4VisionTransformer):
+        return False
+    if not all(isinstance(layer.self_attn, vision.Gemma4VisionAttention) for layer in encoder.encoder.layers):
+        return False
+    if not packed.padded_batch(pixel_values, pixel_position_ids):
+        return False
+    k2 = encoder.pooling_kernel_size**2
+    return pixel_values.shape[0] > 0 and pixel_values.shape[1] >= k2 and pixel_values.shape[1] % k2 == 0
+
+
+def packed_encoder_forward(self, pixel_values, pixel_position_ids, *args, **kwargs):
+    """SGLang's ``Gemma4VisionEncoder.forward`` through the packed encoder: (pooled, pooler_mask) as stock
+    returns them, each item's attention within its real patches whatever the backend."""
+    vision = _sglang_vision()
+    state = patching.fused_state(self)
+    inputs = (pixel_values, pixel_position_ids, *args)
+    if state is None or not _takes(vision, self, pixel_values, pixel_position_ids, args, kwargs):
+        return patching.stock_method(self, "forward")(*inputs, **kwargs)
+    real, lengths, pixels, ids = packed.pack_items(list(pixel_values), list(pixel_position_ids))
+    if min(lengths) == 0:  # an item with no real patch: stock's own forward
+        return patching.stock_method(self, "forward")(*inputs, **kwargs)
+    no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
+    inputs_embeds = self.patch_embedder(pixels, ids, no_padding)
+    mask = torch.stack(real)
+    hidden = packed.scatter_rows(_encode(vision, self.encoder, inputs_embeds, ids, lengths), mask)
+    output_length = pixel_values.shape[-2] // self.pooling_kernel_size**2
+    pooled, pooler_mask = self.pooler(hidden, pixel_position_ids, ~mask, output_length=output_length)
+    if getattr(self, "standardize", False):
+        pooled = (pooled - self.std_bias) * self.std_scale
+    return pooled, pooler_mask
+
+
+def encoder_target(encoder_cls: type, state) -> patching.Target:
+    """What ``encoder="packed"`` patches: SGLang's ``Gemma4VisionEncoder.forward``."""
+    return patching.Target(encoder_cls, {"forward": packed_encoder_forward}, state)
+
+
+# ---- patching, reverting, the plugin ------------------------------------------------------------------
+
+
 def apply_fused_vision_to_sglang_gemma4(
     model: nn.Module | None = None,
     *,
@@ -131,7 +283,7 @@ def apply_fused_vision_to_sglang_gemma4(
             SGLang's numerics bit for bit.
         encoder: "stock" leaves ``Gemma4VisionEncoder.forward`` stock; "packed" makes it strip each item's
             padding and attend within each item's real patches on every attention backend, FA3 and Triton
-            included, which drop stock's padding mask (``fused_vision.sglang_packed``), with stock's outputs.
+            included, which drop stock's padding mask (``packed_encoder_forward``), with stock's outputs.
         backend: "auto", "triton" or "reference", for every patched op.
 
     Raises:
@@ -150,7 +302,7 @@ def apply_fused_vision_to_sglang_gemma4(
     encoder_target = None
     if encoder == "packed":
         state = stem.FusedOp("packed_encoder", backend, **release)
-        encoder_target = sglang_packed.encoder_target(vision.Gemma4VisionEncoder, state)
+        encoder_target = encoder_target(vision.Gemma4VisionEncoder, state)
     options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=encoder_target)
     targets = stem.tower_targets(caller, vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
     hint = (
