@@ -195,7 +195,7 @@ def encode_images(
 ) -> list[torch.Tensor]:
     """Encode many images (or video frames) in memory-safe batches, as vLLM does; one tensor per item.
 
-    ``packed=True``: items of any patch counts share a call of the packed encoder (``fused_vision.packed``:
+    ``packed=True``: items of any patch counts share a call of the packed encoder (``fused_vision.encoder.packed``:
     their padding dropped, attention per item), each call filled in input order up to
     ``fused_vision.planner.plan_tokens(...)`` real patches (and ``max_batch`` items). Where the tower's
     attention implementation is one it does not replace, the padded path runs, with one warning.

@@ -3,10 +3,10 @@
     apply_fused_vision_to_sglang_gemma4()        # the classes, before SGLang builds the model
     apply_fused_vision_to_sglang_gemma4(model)   # the instances inside a model that is already built
 
-The embedder runs ``integrations.stem``'s forwards, the poolers (Gemma 4's, EmbeddingGemma2's) this
-module's; ``encoder="packed"`` runs SGLang's own encoder on each item's real patches, whose FA3 and
-Triton backends drop stock's padding mask. SGLang's processes get it through its plugin loader
-(``FUSED_VISION_SGLANG=1``, ``sglang_plugin``). Details: docs/sglang.md.
+The embedder runs ``fused_vision.integrations.stem``'s forwards, the poolers (Gemma 4's, EmbeddingGemma2's)
+this module's; ``encoder="packed"`` runs SGLang's own encoder on each item's real patches, as its FA3 and
+Triton backends, which drop stock's padding mask, would not. SGLang's processes get it through its plugin
+loader (``FUSED_VISION_SGLANG=1``, ``sglang_plugin``). Details: docs/sglang.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The stem of Gemma 4's vision tower (patch embedder, position lookup, pooler) as patched forwards, shared
-by the integrations whose towers build transformers' stem modules or their 5.5-5.9 form: transformers'
-(``integrations.transformers``) and SGLang's (``integrations.sglang``, its embedder).
+by the integrations whose towers are built of transformers' stem modules or their 5.5-5.9 form:
+``fused_vision.integrations.transformers`` and ``fused_vision.integrations.sglang`` (its embedder).
 
-Each forward runs the fused op where it computes what stock does, else stock's own code; when is listed
-in docs/transformers.md (transformers) and docs/sglang.md (SGLang).
+Each forward runs the fused op where it computes what stock does, else stock's own code: when, in
+docs/transformers.md and docs/sglang.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """fused_vision inside transformers' Gemma 4 vision tower: ``apply_fused_vision_to_gemma4`` and its revert.
 
-The embedder's forwards are ``integrations.stem``'s, shared with SGLang; the pooler's and the release
-family (5.5-5.9 or 5.10+, told from the stock code) are here. Keywords, families, fallbacks and training:
-docs/transformers.md; the encoders: docs/encoders.md; vLLM's plugin builds on this (``integrations.vllm``).
+The embedder's forwards are ``fused_vision.integrations.stem``'s, shared with SGLang; the pooler's forward
+and the release family (5.5-5.9 or 5.10+, told from the stock code) are here. Keywords, families,
+fallbacks and training: docs/transformers.md; the encoders: docs/encoders.md.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ def apply_fused_vision_to_gemma4(
             (``Gemma4ForConditionalGeneration``, ``Gemma4Model``, ``Gemma4VisionModel``, or anything
             containing those two classes, such as ``EmbeddingGemma2Model`` and DiffusionGemma's models,
             which build the same tower) whose instances to patch, whether the class is patched or not.
-            SGLang builds a tower of its own: ``fused_vision.sglang.apply_fused_vision_to_sglang_gemma4``.
+            SGLang builds a tower of its own: ``fused_vision.apply_fused_vision_to_sglang_gemma4``.
         embedder: ``"patch_embed"``, the whole patch embedder as ``fused_vision.patch_embed`` (prescale,
             projection, lookup and add in one kernel; where that cannot run, a quantized or hooked
             ``input_proj`` or autocast, the lookup alone); ``"position_embeddings"``, only the lookup
@@ -109,8 +109,8 @@ def apply_fused_vision_to_gemma4(
         pooler: the pooler as ``fused_vision.pool_by_positions``.
         backend: "auto", "triton" or "reference", for every patched op.
         encoder: "stock" leaves ``Gemma4VisionModel.forward`` stock; "packed" makes it strip the padding and
-            run the packed encoder (``fused_vision.packed``), with stock's outputs; "fused" runs the packed
-            encoder with fused layers (``fused_vision.fused_layer``: concatenated QKV and gate/up GEMMs,
+            run the packed encoder (``fused_vision.encoder.packed``), with stock's outputs; "fused" runs the packed
+            encoder with fused layers (``fused_vision.encoder.fused_layer``: concatenated QKV and gate/up GEMMs,
             whose weights the parameters then view, and the layer kernels), and makes
             ``Gemma4VisionEncoder.forward`` run them on its padded batch (under torch.compile the tower's
             forward runs padded). Both need sdpa, eager or flash attention configured; ``encode_images``

@@ -2,19 +2,11 @@
 
     FUSED_VISION_VLLM=1 vllm serve ...     # the plugin patches every process vLLM starts
 
-vLLM builds transformers' own tower, so transformers' class patch (``fused_vision.gemma4``) fuses its
-lookup and pooler. vLLM's ``Gemma4ForConditionalGeneration`` (``vllm.model_executor.models.gemma4_mm``)
-sizes the tower's chunks with ``_encoder_chunk``, priced as the int64 one-hot of transformers 5.5-5.9:
-on a 22 GiB card with 3 GiB free it sends one 2520-patch image per call where the tower's own
-activations leave room for sixteen. Patched here, a model's own calls of it return
-``fused_vision.planner.plan``'s chunk within vLLM's budget; calls through the class (vLLM's tests) keep
-vLLM's answer. vLLM's calls that encode a batch (``_process_image_input`` and ``_process_video_input``,
-or in 0.34 their ``_local`` halves, which run on each rank before any collective) run again at half the
-chunk when they run out of memory.
-
-The encoder (``FUSED_VISION_VLLM_ENCODER`` for the plugin, ``encoder=`` here) is transformers'
-``Gemma4VisionEncoder.forward`` patched as ``fused_vision.encoder`` describes: vLLM hands it padded
-batches, which it packs in vLLM's eager calls ("packed"), with fused layers on vLLM's own linears ("fused").
+vLLM builds transformers' own tower, which transformers' class patch fuses
+(``fused_vision.integrations.transformers``). Patched here, vLLM's model sizes the tower's chunks by
+``fused_vision.planner.plan`` rather than by the one-hot's price, runs an encoding call again at half the
+chunk when it runs out of memory, and (``encoder=``, ``FUSED_VISION_VLLM_ENCODER``) packs the encoder
+(``fused_vision.encoder.padded``). Details: docs/vllm.md.
 """
 
 from __future__ import annotations
