@@ -3,7 +3,8 @@
 The packed encoder hands each layer the items' ``Packing`` (``cu_seqlens``, lengths, the longest) as its
 ``attention_mask``; ``install`` patches ``Gemma4VisionAttention.forward`` to run stock's forward on a view
 of the module made for that call, whose config names ``PACKED_ATTENTION``. Why and how: docs/encoders.md.
-The paths, the first that takes the inputs (``attention_path``), each with the layer's own scale:
+The paths, the first that takes the inputs (``attention_path``), each with the layer's own scale, the one
+a process takes logged once (logger ``fused_vision``, INFO):
 
     flash_attn       flash-attn's ``flash_attn_varlen_func``: CUDA sm80+ or ROCm, fp16/bf16, head_dim % 8 == 0, <= 256
     vllm_flash_attn  vLLM's own (``vllm.vllm_flash_attn``; vLLM does not install flash-attn): the same limits
