@@ -2,7 +2,7 @@
 
 ``attention`` (attention within each packed item), ``packed`` (the packed encoder), ``fused_layer`` and
 ``linears`` (its fused layers), ``padded`` (``Gemma4VisionEncoder.forward`` on the padded batch engines
-hand it, whose ``encoder_forward`` this package also names, as the module ``fused_vision.encoder`` did).
+hand it). ``encoder_forward`` and ``packs`` are named here too: ``fused_vision.encoder`` was that module.
 """
 
 from .padded import encoder_forward, packs
