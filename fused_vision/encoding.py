@@ -173,14 +173,9 @@ def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: to
     hidden_states = tower.encoder(
         inputs_embeds=inputs_embeds, attention_mask=~padding, pixel_position_ids=position_ids
     ).last_hidden_state
+    pooler_float32 = transformers.pooler_returns_float32()
     tokens, counts = packed.soft_tokens(
-        tower,
-        hidden_states,
-        position_ids,
-        padding,
-        output_length,
-        inputs_embeds.dtype,
-        transformers.pooler_returns_float32(),
+        tower, hidden_states, position_ids, padding, output_length, inputs_embeds.dtype, pooler_float32
     )
     return list(torch.split(tokens, counts))
 
