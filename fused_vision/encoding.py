@@ -19,10 +19,13 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
-from . import gemma4, packed, planner
+from . import planner
 from ._chunks import HalvingChunks
 from ._dispatch import warn_once
-from .attention import configured_attention
+from .encoder import packed
+from .encoder.attention import configured_attention
+from .integrations import transformers
+from .integrations.stem import embedder_runs_stock
 
 __all__ = ["encode_images"]
 
@@ -122,10 +125,10 @@ def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Ten
     """The planner's path for ``tower`` on ``items``, (pixels, position ids) pairs: "onehot" where a 5.5-5.9
     embedder runs its stock one-hot lookup on any of them (unpatched, or given a dtype the fused ops do
     not take: one float64 item makes a stacked chunk float64), "fused" otherwise."""
-    if not gemma4.onehot_lookup():
+    if not transformers.onehot_lookup():
         return "fused"
     embedder = tower.patch_embedder
-    return "onehot" if any(gemma4.embedder_runs_stock(embedder, p, i) for p, i in items) else "fused"
+    return "onehot" if any(embedder_runs_stock(embedder, p, i) for p, i in items) else "fused"
 
 
 def planner_attention(vision_config) -> str | None:
@@ -170,8 +173,9 @@ def _encode_chunk(tower: nn.Module, pixel_values: torch.Tensor, position_ids: to
     hidden_states = tower.encoder(
         inputs_embeds=inputs_embeds, attention_mask=~padding, pixel_position_ids=position_ids
     ).last_hidden_state
+    pooler_float32 = transformers.pooler_returns_float32()
     tokens, counts = packed.soft_tokens(
-        tower, hidden_states, position_ids, padding, output_length, inputs_embeds.dtype, gemma4.pooler_returns_float32()
+        tower, hidden_states, position_ids, padding, output_length, inputs_embeds.dtype, pooler_float32
     )
     return list(torch.split(tokens, counts))
 
@@ -186,7 +190,7 @@ def encode_images(
 ) -> list[torch.Tensor]:
     """Encode many images (or video frames) in memory-safe batches, as vLLM does; one tensor per item.
 
-    ``packed=True``: items of any patch counts share a call of the packed encoder (``fused_vision.packed``:
+    ``packed=True``: items of any patch counts share a call of the packed encoder (``fused_vision.encoder.packed``:
     their padding dropped, attention per item), each call filled in input order up to
     ``fused_vision.planner.plan_tokens(...)`` real patches (and ``max_batch`` items). Where the tower's
     attention implementation is one it does not replace, the padded path runs, with one warning.
@@ -335,7 +339,7 @@ def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch
             end += 1
         return end
 
-    pooler_float32 = gemma4.pooler_returns_float32()
+    pooler_float32 = transformers.pooler_returns_float32()
 
     def encode(start: int, end: int) -> list[torch.Tensor]:
         pixels = [p.to(device) for p in items.pixels[start:end]]

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 PATHS = ("fused", "onehot")
-ENCODERS = ("stock", "packed")  # stock's padded encoder, or fused_vision.packed
+ENCODERS = ("stock", "packed")  # stock's padded encoder, or fused_vision.encoder.packed
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 _BOOKKEEPING_BYTES = 64  # per patch: padding flags, int64 position ids and pooling slots
@@ -177,7 +177,7 @@ def transient_bytes_per_item(
         dtype: the tower's compute dtype.
         attn_implementation: "sdpa" or "eager"; default: the config's ``_attn_implementation``, else "sdpa"
             (transformers' default).
-        encoder: "stock" (every item padded to N, behind an (N, N) mask) or "packed" (``fused_vision.packed``:
+        encoder: "stock" (every item padded to N, behind an (N, N) mask) or "packed" (``fused_vision.encoder.packed``:
             N is the item's real patches; no mask, attention per item).
     """
     patches = _positive_int("patches_per_item", patches_per_item)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import fused_vision.gemma4 as fg
+import fused_vision.integrations.stem as stem
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings
 
@@ -101,7 +102,7 @@ def test_the_lookup_method_vllm_calls_is_fused_and_bit_identical(monkeypatch, dt
         lookups.append(kwargs["backend"])
         return fused_position_embeddings(*args, **kwargs)
 
-    monkeypatch.setattr(fg, "_fused_position_embeddings", recorded_lookup)
+    monkeypatch.setattr(stem, "_fused_position_embeddings", recorded_lookup)
     apply_fused_vision_to_gemma4(tower if scope == "instance" else None, embedder=embedder, pooler=False)
     with torch.no_grad():
         fused = vllm_embed_patches(tower.patch_embedder, pixels, ids, padding)
@@ -200,15 +201,15 @@ def test_autocast_keeps_stock_rounding():
 BROADCASTS = {"ids_of_one": (3, 1, 1), "padding_of_one": (3, 3, 1), "pixels_of_one": (1, 3, 3)}
 
 
-def spy(monkeypatch, name):
-    """Record the calls of gemma4's fused op ``name``, so a test knows the fused path ran."""
-    calls, op = [], getattr(fg, name)
+def spy(monkeypatch, module, name):
+    """Record the calls of the fused op ``name`` that ``module`` runs, so a test knows the fused path ran."""
+    calls, op = [], getattr(module, name)
 
     def recorded(*args, **kwargs):
         calls.append(args[0].shape)
         return op(*args, **kwargs)
 
-    monkeypatch.setattr(fg, name, recorded)
+    monkeypatch.setattr(module, name, recorded)
     return calls
 
 
@@ -230,7 +231,8 @@ def test_the_embedder_broadcasts_a_batch_of_one_as_stock(monkeypatch, embedder, 
     with torch.no_grad():
         stock = tower.patch_embedder(*inputs)
         apply_fused_vision_to_gemma4(tower, embedder=embedder, pooler=False)
-        calls = spy(monkeypatch, "_fused_patch_embed" if embedder == "patch_embed" else "_fused_position_embeddings")
+        op = "_fused_patch_embed" if embedder == "patch_embed" else "_fused_position_embeddings"
+        calls = spy(monkeypatch, stem, op)
         fused = tower.patch_embedder(*inputs)
         rows = tower.patch_embedder(*materialized(*inputs))
     assert calls, "the fused op did not run"
@@ -248,7 +250,7 @@ def test_the_lookup_method_broadcasts_a_batch_of_one_as_stock(monkeypatch):
     with torch.no_grad():
         stock = tower.patch_embedder._position_embeddings(ids, padding)
         apply_fused_vision_to_gemma4(tower, embedder="position_embeddings", pooler=False)
-        calls = spy(monkeypatch, "_fused_position_embeddings")
+        calls = spy(monkeypatch, stem, "_fused_position_embeddings")
         fused = tower.patch_embedder._position_embeddings(ids, padding)
     assert calls, "the fused op did not run"
     assert_bit_identical(fused, stock, "vLLM's lookup call")
@@ -264,7 +266,7 @@ def test_the_pooler_broadcasts_a_batch_of_one_as_stock(monkeypatch, batches, poo
     with torch.no_grad():
         stock, stock_mask = tower.pooler(*inputs, output_length=length)
         apply_fused_vision_to_gemma4(tower, embedder=None)
-        calls = spy(monkeypatch, "_fused_pool_by_positions")
+        calls = spy(monkeypatch, fg, "_fused_pool_by_positions")
         fused, mask = tower.pooler(*inputs, output_length=length)
     assert calls, "the fused op did not run"
     assert fused.shape == stock.shape and fused.dtype == stock.dtype
@@ -325,8 +327,8 @@ def test_class_patch_reaches_towers_built_before_and_after():
         assert "fused_vision=patch_embed(backend=auto)" in repr(tower.patch_embedder)
         assert "fused_vision=pool_by_positions(backend=auto)" in repr(tower.pooler)
         assert_close(run_tower(tower, pixels, ids), stock, **FP32_CLOSE, what="class-patched tower")
-    assert modeling.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
-    assert modeling.Gemma4VisionPatchEmbedder._position_embeddings is fg._embedder_position_embeddings
+    assert modeling.Gemma4VisionPatchEmbedder.forward is stem._embedder_forward
+    assert modeling.Gemma4VisionPatchEmbedder._position_embeddings is stem._embedder_position_embeddings
 
     assert revert_fused_vision_gemma4() == 2
     assert modeling.Gemma4VisionPatchEmbedder.forward is fg._stock("embedder", "forward")
@@ -346,7 +348,7 @@ def test_an_embedder_without_the_lookup_method_gets_the_forward_alone(monkeypatc
     monkeypatch.delattr(embedder_cls, "_position_embeddings")
 
     assert apply_fused_vision_to_gemma4(pooler=False) == 1
-    assert embedder_cls.forward is fg._embedder_forward
+    assert embedder_cls.forward is stem._embedder_forward
     assert_close(run_tower(tower, pixels, ids), stock, **FP32_CLOSE, what="tower whose embedder has no lookup method")
 
 
@@ -474,7 +476,7 @@ def test_an_accelerate_hooked_embedder_matches_stock():
     embedder._hf_hook, embedder._old_forward = object(), embedder.forward
     embedder.forward = lambda *args, **kwargs: embedder._old_forward(*args, **kwargs)
     apply_fused_vision_to_gemma4(tower)
-    assert embedder._old_forward.__func__ is fg._embedder_forward
+    assert embedder._old_forward.__func__ is stem._embedder_forward
     with torch.no_grad():
         assert_close(embedder(pixels, ids, padding), stock, **FP32_CLOSE, what="hooked embedder")
     revert_fused_vision_gemma4(tower)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import fused_vision.gemma4 as fg
+import fused_vision.integrations.stem as stem
 import fused_vision.sglang as fs
 from fused_vision import _releases
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
@@ -55,7 +55,7 @@ def test_the_modules_under_test_are_sglangs_installed_package():
         (EmbeddingPooler, "models/embedding_gemma2.py"),
     ]:
         assert Path(inspect.getsourcefile(cls)).resolve() == package / "srt" / file, cls
-    assert fg.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
+    assert stem.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), "SGLang's lookup is the one-hot these tests expect"
     assert "one_hot" in EmbeddingPooler._avg_pool_by_positions.__code__.co_names
     assert vision.Gemma4VisionPatchEmbedder is not _releases.modeling().Gemma4VisionPatchEmbedder
 
@@ -234,8 +234,8 @@ def test_sglang_plugin_is_in_the_installed_metadata_and_opt_in(monkeypatch, capl
     (entry_point,) = [
         e for e in importlib.metadata.distribution("fused-vision").entry_points if e.group == "sglang.srt.plugins"
     ]
-    assert entry_point.value == "fused_vision.sglang:sglang_plugin"
     assert entry_point in importlib.metadata.entry_points(group="sglang.srt.plugins")  # where SGLang looks
+    # an install from before integrations/ names fused_vision.sglang: the same module (tests/test_layout.py)
     plugin = entry_point.load()
     assert plugin is fs.sglang_plugin
     stock_forward = vision.Gemma4VisionPooler.forward
@@ -244,7 +244,7 @@ def test_sglang_plugin_is_in_the_installed_metadata_and_opt_in(monkeypatch, capl
     assert vision.Gemma4VisionPooler.forward is stock_forward
     monkeypatch.setenv(fs.ENV_SGLANG, "1")
     plugin()
-    assert vision.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
+    assert vision.Gemma4VisionPatchEmbedder.forward is stem._embedder_forward
     assert vision.Gemma4VisionPooler.forward is fs._pooler_forward
     revert_fused_vision_sglang_gemma4()
     assert vision.Gemma4VisionPooler.forward is stock_forward
@@ -261,11 +261,11 @@ import json
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import fused_vision.sglang as fs
-from fused_vision import gemma4, patching
+from fused_vision.integrations import patching, stem
 from sglang.srt.models import embedding_gemma2, gemma4_vision
 classes = [gemma4_vision.Gemma4VisionPatchEmbedder, gemma4_vision.Gemma4VisionPooler,
            embedding_gemma2.EmbeddingGemma2VisionPooler]
-forwards = [gemma4._embedder_forward, fs._pooler_forward, fs._embedding_pooler_forward]
+forwards = [stem._embedder_forward, fs._pooler_forward, fs._embedding_pooler_forward]
 print(json.dumps({c.__name__: [str(patching.fused_state(c)), c.forward is f] for c, f in zip(classes, forwards)}))
 """
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import fused_vision.gemma4 as fg
+import fused_vision.integrations.stem as stem
 import fused_vision.vllm as fv
 from fused_vision import (
     apply_fused_vision_to_gemma4,
@@ -72,7 +73,7 @@ def vllm_is_patched() -> bool:
 
 
 def transformers_is_patched() -> bool:
-    return modeling.Gemma4VisionPatchEmbedder.forward is fg._embedder_forward
+    return modeling.Gemma4VisionPatchEmbedder.forward is stem._embedder_forward
 
 
 # ---- the plugin --------------------------------------------------------------------------------------
@@ -82,7 +83,8 @@ def test_the_entry_point_is_in_the_installed_package_metadata():
     (entry_point,) = [
         e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.dist.name == "fused-vision"
     ]
-    assert (entry_point.name, entry_point.value) == ("fused_vision_gemma4", "fused_vision.vllm:vllm_plugin")
+    # an install from before integrations/ names fused_vision.vllm: the same module (tests/test_layout.py)
+    assert entry_point.name == "fused_vision_gemma4"
     assert entry_point.load() is fv.vllm_plugin
 
 
@@ -323,10 +325,10 @@ def test_vllms_embeddings_match_stock_without_a_one_hot(tiny_model, memory, monk
     def no_one_hot(*args, **kwargs):
         raise AssertionError("the patched tower called F.one_hot")
 
-    lookups, lookup = [], fg._fused_position_embeddings
+    lookups, lookup = [], stem._fused_position_embeddings
     monkeypatch.setattr(torch.nn.functional, "one_hot", no_one_hot)
     monkeypatch.setattr(
-        fg, "_fused_position_embeddings", lambda *args, **kwargs: lookups.append(1) or lookup(*args, **kwargs)
+        stem, "_fused_position_embeddings", lambda *args, **kwargs: lookups.append(1) or lookup(*args, **kwargs)
     )
     embedded, pooled, fused = run(tiny_model, method, inputs)
     chunks = 2 if method == "_process_image_input" else 1  # the image buckets; all frames at once

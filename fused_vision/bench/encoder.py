@@ -1,24 +1,11 @@
 """Whole encoder calls on processor mixes: the packed and fused encoders against the stock tower, in items/s,
 FLOP rate and peak memory.
 
-Providers, on one unpatched tower and its weights: ``stock`` (the tower's padded forward on the processor's
-batch), ``compiled`` (``torch.compile`` of it; its compile is logged, not timed), ``padded``
-(``fused_vision.encode_images(packed=False)``: padded buckets) and ``packed`` (``encode_images(packed=True)``:
-the padding dropped, one sequence with per-item boundaries). ``fused`` is ``encode_images`` on a deep copy of
-that tower under ``apply_fused_vision_to_gemma4(copy, encoder="fused")`` (the fused embedder, pooler and
-layers); the Triton backend on a GPU, the ops' PyTorch reference on a CPU (whose Triton is an interpreter).
-
-FLOP rates count the useful FLOPs alone, those on real patches (``encoder_flops``), for every provider: the
-padded providers execute more, so a rate compares how fast each turns the same work into soft tokens.
-
-Mixes come from transformers' ``Gemma4ImageProcessorPil`` (patch size 16, pooling 3) on synthetic random
-images: ``image_mix_<n>x<L>`` cycles ``ASPECT_RATIOS``, ``video_<n>x<L>`` is n frames of one 16:9 video,
-which share one grid. Repetitions interleave (each one calls every provider once), so a load that drifts
-during the run (other processes, clocks, heat) reaches every provider alike. Within the run's time budget, a
-first call starts only if it, the first calls left and one round fit, each call as long as the longest first
-call so far (else the mix is a skip), and a round only if one as long as the last fits (the first: the first
-calls together). On a CPU the towers run one layer: each layer costs the same, so
-the ratios hold up to the embedder's and pooler's share of a call.
+The providers (``stock``, ``compiled``, ``padded``, ``packed``, ``fused``: ``encode_images`` on a deep copy
+of the tower under ``encoder="fused"``) share one unpatched tower and its weights; a FLOP rate counts the
+useful FLOPs alone, those on real patches (``encoder_flops``); repetitions interleave across providers,
+within the run's time budget. The providers, the mixes, the rounds and the budget's rules, and why a CPU
+run builds one layer: docs/benchmark.md, "The encoder section".
 """
 
 import copy
@@ -121,7 +108,7 @@ def fused_backend(device: torch.device) -> str:
 def fused_tower(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
     """A deep copy of ``model`` running the fused encoder (default embedder and pooler too): the other
     providers keep the stock tower, and the copy's concatenated weights share no storage with it."""
-    from fused_vision.gemma4 import apply_fused_vision_to_gemma4
+    from fused_vision.integrations.transformers import apply_fused_vision_to_gemma4
 
     fused = copy.deepcopy(model)
     apply_fused_vision_to_gemma4(fused, encoder="fused", backend=fused_backend(device))
@@ -188,7 +175,7 @@ def bench_encoder(session, op: str, providers: tuple[str, ...], encoder_cases: t
                 f"  fused: a copy of it under apply_fused_vision_to_gemma4(encoder='fused'), "
                 f"backend {fused_backend(device)!r}"
             )
-        except Exception as exc:  # no fused_vision.gemma4 on this transformers: the other providers still run
+        except Exception as exc:  # no fused tower on this transformers: the other providers still run
             for mix in inputs:
                 session.skip(op, "fused", mix, hidden, exc)
             providers = tuple(p for p in providers if p != "fused")

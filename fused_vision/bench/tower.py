@@ -4,7 +4,7 @@ low-memory scenario behind vLLM's encoder chunk planner.
 The tower is transformers' ``Gemma4VisionModel`` (the run's dtype, sdpa) from the installed release. Its patch
 embedder's ``_position_embeddings`` is swapped for the one-hot (5.5-5.9) or the F.embedding (5.10+)
 reference, so both eras run on any transformers 5.5+; the pooler is stock's one-hot in every release.
-The fused form is ``fused_vision.gemma4.apply_fused_vision_to_gemma4(model)``; it runs last, on the
+The fused form is ``fused_vision.apply_fused_vision_to_gemma4(model)``; it runs last, on the
 same weights, so that no patch has to be undone.
 """
 
@@ -104,9 +104,9 @@ def use_provider(model: torch.nn.Module, provider: str) -> None:
     if provider == "fused":
         vars(embedder).pop("_position_embeddings", None)  # back to the installed release's own code
         try:
-            from fused_vision.gemma4 import apply_fused_vision_to_gemma4
+            from fused_vision.integrations.transformers import apply_fused_vision_to_gemma4
         except ImportError as exc:
-            raise Unsupported(f"fused_vision.gemma4 is not available ({exc})") from exc
+            raise Unsupported(f"fused_vision.integrations.transformers is not available ({exc})") from exc
         # backend="triton": a kernel that fails raises, rather than have "auto" time the reference as fused.
         if apply_fused_vision_to_gemma4(model, backend="triton") == 0:
             raise Unsupported("apply_fused_vision_to_gemma4 patched no module of this tower")

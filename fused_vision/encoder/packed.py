@@ -1,16 +1,11 @@
-"""The packed Gemma 4 vision encoder: every item's real patches in one sequence, attention per item.
+"""The packed Gemma 4 vision encoder: every item's real patches in one sequence, attention within each item.
 
-Stock pads every item to N = soft_tokens x 9 patches and runs every encoder layer on the padding, behind a
-(B, 1, N, N) mask. The packed encoder drops each item's padding rows (ids (-1, -1)) before the patch
-embedder, concatenates all items' real patches into one (1, T, D) sequence with per-item boundaries
-(``cu_seqlens``), and runs the tower's own embedder, rotary embedding and layers on it, each layer handed
-the items' ``Packing`` as its attention mask; only the attention computation is replaced, by attention
-within each item (``fused_vision.attention``). The pooler then runs on each item's patches, scattered back
-to its padded rows (zeros there, as stock's pooler makes them), so each item's soft tokens are stock's on
-that item alone up to the attention kernel's summation order.
-
-Used by ``fused_vision.encode_images(..., packed=True)`` and by ``Gemma4VisionModel.forward`` once patched
-with ``apply_fused_vision_to_gemma4(model, encoder="packed")``. Differentiable where the attention path is.
+Each item's padding rows are dropped before the patch embedder; the real patches run as one (1, T, D)
+sequence through the tower's own embedder and layers, attention within each item
+(``fused_vision.encoder.attention``); the pooler runs on the rows scattered back to their padded places.
+Each item's soft tokens are stock's up to the attention kernel's summation order. Used by
+``encode_images(..., packed=True)`` and ``apply_fused_vision_to_gemma4(model, encoder="packed")``.
+Details: docs/encoders.md.
 """
 
 from __future__ import annotations
@@ -23,7 +18,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from . import attention, fused_layer, patching
+from ..integrations import patching
+from . import attention, fused_layer
 from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
 __all__ = [
@@ -88,7 +84,7 @@ def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def run_packed(encoder: nn.Module, rows, ids, lengths, backend: str | None) -> torch.Tensor:
     """The encoder's layers on (T, D) packed ``rows`` with (T, 2) ``ids``, items of ``lengths`` rows, each
     layer handed the items' ``Packing`` as its attention mask (so its attention stays within each item, in
-    every replay of the call); fused (``fused_vision.fused_layer``) with a ``backend``, else stock's."""
+    every replay of the call); fused (``fused_vision.encoder.fused_layer``) with a ``backend``, else stock's."""
     attention.install()
     packing = Packing.of(lengths, rows.device)
     stock_kwargs = lambda: dict(attention_mask=packing)  # the fallback layers' attention mask

@@ -1,7 +1,7 @@
 """The fused Gemma 4 vision encoder layer: two concatenated GEMMs and three kernels, on (T, D) rows.
 
-The rows are the packed sequence (``fused_vision.packed``, attention within each item) or the encoder's
-padded (B, N) batch (``fused_vision.encoder``; attention to each item's valid keys).
+The rows are the packed sequence (``fused_vision.encoder.packed``, attention within each item) or the
+encoder's padded (B, N) batch (``fused_vision.encoder.padded``; attention to each item's valid keys).
 Per layer (stock's modules in brackets):
 
     qkv    = y @ W_qkv.T                          one GEMM       [q_proj, k_proj, v_proj]
@@ -40,12 +40,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import _releases, linears
-from ._dispatch import warn_once
-from ._validation import FLOAT_DTYPES
-from .ops.gelu_gate import gelu_gate
-from .ops.qkv_norm_rope import qkv_norm_rope
-from .ops.residual_rms_norm import residual_rms_norm
+from .. import _releases
+from .._dispatch import warn_once
+from .._validation import FLOAT_DTYPES
+from ..ops.gelu_gate import gelu_gate
+from ..ops.qkv_norm_rope import qkv_norm_rope
+from ..ops.residual_rms_norm import residual_rms_norm
+from . import linears
 
 __all__ = [
     "attend_valid_keys",
@@ -86,7 +87,7 @@ def _classes(layer: nn.Module) -> dict[str, type]:
 
 def blocker(layer: nn.Module, hidden_states: torch.Tensor) -> str | None:
     """Why ``layer`` cannot run fused on ``hidden_states``, or None: every module stock's own class, linears
-    it can call as stock does (``fused_vision.linears``), no hooks, the tanh GELU, and no autocast."""
+    it can call as stock does (``fused_vision.encoder.linears``), no hooks, the tanh GELU, and no autocast."""
     modeling = modeling_of(layer)
     if type(layer) is not getattr(modeling, "Gemma4VisionEncoderLayer", None):
         return f"it is a {type(layer).__name__}, not transformers' Gemma4VisionEncoderLayer"

@@ -1,26 +1,15 @@
-"""Attention restricted to each item of a packed sequence, hooked into transformers' Gemma 4 vision layers.
+"""Attention within each item of a packed sequence, hooked into transformers' Gemma 4 vision layers.
 
-The packed encoder (``fused_vision.packed``) runs the tower's own layers on one (1, T, D) sequence of every
-item's real patches, and hands each layer a ``Packing`` as its ``attention_mask``: the items' boundaries
-(``cu_seqlens``, int32, flash-attn's varlen layout), their lengths and the longest. The packing travels
-with the call, so a replay of the layer (gradient checkpointing's recompute, a hook that runs it again,
-another thread) computes what the first run did; nothing shared is switched while it runs.
-
-``install`` patches ``Gemma4VisionAttention.forward`` once: handed a ``Packing``, it runs stock's own
-forward on a view of the module made for that call (``patching.call_view``), whose config names
-``PACKED_ATTENTION``, registered in transformers' ``ALL_ATTENTION_FUNCTIONS``; every other call is
-stock's. A ``Packing`` that reached stock's attention functions would raise there (it is no tensor),
-never attend across items.
-
-Paths, the first one that takes the inputs (``attention_path``):
+The packed encoder hands each layer the items' ``Packing`` (``cu_seqlens``, lengths, the longest) as its
+``attention_mask``; ``install`` patches ``Gemma4VisionAttention.forward`` to run stock's forward on a view
+of the module made for that call, whose config names ``PACKED_ATTENTION``. Why and how: docs/encoders.md.
+The paths, the first that takes the inputs (``attention_path``), each with the layer's own scale, the one
+a process takes logged once (logger ``fused_vision``, INFO):
 
     flash_attn       flash-attn's ``flash_attn_varlen_func``: CUDA sm80+ or ROCm, fp16/bf16, head_dim % 8 == 0, <= 256
     vllm_flash_attn  vLLM's own (``vllm.vllm_flash_attn``; vLLM does not install flash-attn): the same limits
     torch_varlen     ``torch.nn.attention.varlen.varlen_attn`` (torch 2.10+): the same limits, no dropout
     sdpa             ``F.scaled_dot_product_attention`` per item, no mask: every other device, dtype or shape
-
-Each takes the layer's own scale (Gemma 4: 1.0, its q/k norms replace the 1/sqrt(d)). The path a process
-takes is logged once (logger ``fused_vision``, INFO).
 """
 
 from __future__ import annotations
@@ -36,8 +25,9 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from . import _releases, patching
-from ._dispatch import warn_once
+from .. import _releases
+from .._dispatch import warn_once
+from ..integrations import patching
 
 logger = logging.getLogger("fused_vision")
 

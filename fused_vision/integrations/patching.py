@@ -1,7 +1,7 @@
 """Swap methods of model classes, or of single modules, for fused ones, and undo it.
 
-Model-agnostic: an integration (``fused_vision.gemma4``, ``fused_vision.sglang``) names the classes, the
-methods it replaces and the state those methods read; this module installs and removes them.
+Model-agnostic: an integration (``fused_vision.integrations.transformers``, ``.sglang``) names the classes,
+the methods it replaces and the state those methods read; this module installs and removes them.
 
 A patched class holds our methods and, beside each, its stock one. Our methods read a state from the
 module (its own, else its class's): a state runs the fused op, ``None`` runs the stock method, so an

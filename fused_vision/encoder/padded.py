@@ -1,16 +1,10 @@
 """``Gemma4VisionEncoder.forward`` for ``encoder="packed"`` and ``"fused"``, on the padded batch it is handed.
 
-Engines call the tower's submodules themselves (vLLM: the embedder, then ``encoder(inputs_embeds=,
-attention_mask=~padding, pixel_position_ids=)`` on a padded (B, N) batch, then the pooler), never the
-tower's forward. So the encoder's own forward packs:
-
-- **Where the host may read the items' lengths** (eager calls: not under torch.compile, CUDA-graph
-  capture or torch's sync debug mode), the padding rows are dropped, the real rows run as one packed
-  sequence (``fused_vision.packed.run_packed``: stock layers attending within each item, or the fused layers),
-  and come back as stock's (B, N, D) with zeros at the padding rows, which the pooler zeroes anyway.
-- **Elsewhere it stays padded**: stock's code (``"packed"``) or the fused layers on the padded batch,
-  each item's queries attending to its valid keys (``"fused"``). So it does where a row's place in the
-  padded batch matters: vLLM's LoRA layers map their adapters per padded token.
+Engines (vLLM) call the encoder on a padded (B, N) batch, never the tower's forward. Where the host may
+read the items' lengths, the real rows run packed (``fused_vision.encoder.packed.run_packed``) and come
+back as stock's (B, N, D), zeros at the padding. Elsewhere (torch.compile, CUDA-graph capture, vLLM's
+LoRA layers, which map adapters per padded row) it stays padded: stock's code, or the fused layers with
+each item's queries attending to its valid keys. Details: docs/encoders.md.
 """
 
 from __future__ import annotations
@@ -18,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from . import fused_layer, packed, patching
+from ..integrations import patching
+from . import fused_layer, packed
 from .attention import attention_supported
 
 __all__ = ["encoder_forward", "packs"]

@@ -2,19 +2,11 @@
 
     FUSED_VISION_VLLM=1 vllm serve ...     # the plugin patches every process vLLM starts
 
-vLLM builds transformers' own tower, so transformers' class patch (``fused_vision.gemma4``) fuses its
-lookup and pooler. vLLM's ``Gemma4ForConditionalGeneration`` (``vllm.model_executor.models.gemma4_mm``)
-sizes the tower's chunks with ``_encoder_chunk``, priced as the int64 one-hot of transformers 5.5-5.9:
-on a 22 GiB card with 3 GiB free it sends one 2520-patch image per call where the tower's own
-activations leave room for sixteen. Patched here, a model's own calls of it return
-``fused_vision.planner.plan``'s chunk within vLLM's budget; calls through the class (vLLM's tests) keep
-vLLM's answer. vLLM's calls that encode a batch (``_process_image_input`` and ``_process_video_input``,
-or in 0.34 their ``_local`` halves, which run on each rank before any collective) run again at half the
-chunk when they run out of memory.
-
-The encoder (``FUSED_VISION_VLLM_ENCODER`` for the plugin, ``encoder=`` here) is transformers'
-``Gemma4VisionEncoder.forward`` patched as ``fused_vision.encoder`` describes: vLLM hands it padded
-batches, which it packs in vLLM's eager calls ("packed"), with fused layers on vLLM's own linears ("fused").
+vLLM builds transformers' own tower, which transformers' class patch fuses
+(``fused_vision.integrations.transformers``). Patched here, vLLM's model sizes the tower's chunks by
+``fused_vision.planner.plan`` rather than by the one-hot's price, runs an encoding call again at half the
+chunk when it runs out of memory, and (``encoder=``, ``FUSED_VISION_VLLM_ENCODER``) packs the encoder
+(``fused_vision.encoder.padded``). Details: docs/vllm.md.
 """
 
 from __future__ import annotations
@@ -30,9 +22,11 @@ import sys
 import torch
 from torch import nn
 
-from . import encoding, gemma4, patching, planner
-from ._chunks import HalvingChunks
-from ._dispatch import warn_once
+from .. import encoding, planner
+from .._chunks import HalvingChunks
+from .._dispatch import warn_once
+from . import patching
+from .transformers import ENCODERS, apply_fused_vision_to_gemma4
 
 __all__ = [
     "ENV_VLLM",
@@ -191,8 +185,8 @@ def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
         ValueError: an unknown ``encoder``.
         ImportError: vLLM or its Gemma 4 model is missing (transformers' too, for a packed or fused encoder).
     """
-    if encoder not in gemma4.ENCODERS:
-        raise ValueError(f"encoder: expected one of {gemma4.ENCODERS}, got {encoder!r}")
+    if encoder not in ENCODERS:
+        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
     cls = _model_class()
     methods = _methods(cls)
     missing = [name for name in methods if patching.stock_attribute(cls, name) is patching.MISSING]
@@ -202,7 +196,7 @@ def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
     if missing:
         warn_once(f"fused_vision: vLLM's {cls.__name__} has no {' or '.join(missing)}: no out-of-memory guard there")
     if encoder != "stock":
-        gemma4.apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
+        apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
     methods = {name: method for name, method in methods.items() if name not in missing}
     patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _STATE)], "")
     return len(methods)
@@ -228,13 +222,13 @@ def vllm_plugin() -> None:
     if os.environ.get(ENV_VLLM) != "1":
         return
     encoder = os.environ.get(ENV_VLLM_ENCODER) or "stock"
-    if encoder not in gemma4.ENCODERS:
+    if encoder not in ENCODERS:
         logger.warning(
-            "fused_vision: %s=%r is none of %s: the encoder stays stock", ENV_VLLM_ENCODER, encoder, gemma4.ENCODERS
+            "fused_vision: %s=%r is none of %s: the encoder stays stock", ENV_VLLM_ENCODER, encoder, ENCODERS
         )
         encoder = "stock"
     for what, apply in (
-        ("Gemma 4", gemma4.apply_fused_vision_to_gemma4),
+        ("Gemma 4", apply_fused_vision_to_gemma4),
         ("vLLM's Gemma 4", functools.partial(apply_fused_vision_to_vllm_gemma4, encoder=encoder)),
     ):
         try:

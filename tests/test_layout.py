@@ -1,0 +1,112 @@
+"""The package's layout: the module paths from before encoder/ and integrations/ still name the same module
+objects (a test or a user that patches an attribute through one changes what runs), the plugins' entry
+points name modules that exist, and no module of fused_vision imports itself back, as it loads or later
+(an import inside a function closes a cycle too, only later)."""
+
+import ast
+import importlib
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import fused_vision
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = Path(fused_vision.__file__).parent
+
+MOVED = {
+    "fused_vision.attention": "fused_vision.encoder.attention",
+    "fused_vision.fused_layer": "fused_vision.encoder.fused_layer",
+    "fused_vision.gemma4": "fused_vision.integrations.transformers",
+    "fused_vision.linears": "fused_vision.encoder.linears",
+    "fused_vision.packed": "fused_vision.encoder.packed",
+    "fused_vision.patching": "fused_vision.integrations.patching",
+    "fused_vision.sglang": "fused_vision.integrations.sglang",
+    "fused_vision.sglang_packed": "fused_vision.integrations.sglang",
+    "fused_vision.vllm": "fused_vision.integrations.vllm",
+}
+
+
+@pytest.mark.parametrize("old, new", MOVED.items(), ids=list(MOVED))
+def test_an_old_module_path_is_the_moved_module(old, new):
+    moved = importlib.import_module(new)
+    assert importlib.import_module(old) is moved
+    assert getattr(fused_vision, old.rpartition(".")[2]) is moved  # `from fused_vision import gemma4`
+
+
+def test_the_old_encoder_module_path_names_its_forward():
+    from fused_vision.encoder import encoder_forward, packs
+    from fused_vision.encoder.padded import encoder_forward as moved_forward
+    from fused_vision.encoder.padded import packs as moved_packs
+
+    assert (encoder_forward, packs) == (moved_forward, moved_packs)
+
+
+def test_old_paths_import_first_in_a_fresh_process(tmp_path):
+    """As an older install's entry point loads them: before anything else of fused_vision."""
+    probe = "from fused_vision.vllm import vllm_plugin\nfrom fused_vision.sglang_packed import encoder_target\n"
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_entry_points_name_the_plugins():
+    tomllib = pytest.importorskip("tomllib", reason="Python 3.11+ reads pyproject.toml (tomllib)")
+
+    groups = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["entry-points"]
+    plugins = {"vllm.general_plugins": "vllm_plugin", "sglang.srt.plugins": "sglang_plugin"}
+    for group, name in plugins.items():
+        module, _, attribute = groups[group]["fused_vision_gemma4"].partition(":")
+        assert attribute == name and getattr(importlib.import_module(module), name).__name__ == name
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports(path: Path, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` that the module at ``path`` imports, at its top level or inside functions."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+
+    class Imports(ast.NodeVisitor):
+        def visit_Import(self, node):
+            found.update(alias.name for alias in node.names)
+
+        def visit_ImportFrom(self, node):
+            base = package.rsplit(".", node.level - 1)[0] if node.level else ""
+            source = ".".join(part for part in (base, node.module) if part)
+            for alias in node.names:
+                submodule = f"{source}.{alias.name}"
+                found.add(submodule if submodule in modules else source)
+
+    Imports().visit(ast.parse(path.read_text(), str(path)))
+    return found & modules
+
+
+def import_cycle() -> list[str] | None:
+    """A cycle in the graph of fused_vision's imports, as its modules in order; None where there is none."""
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    graph = {name: imports(path, set(paths)) for name, path in paths.items()}
+    done, stack = set(), []
+
+    def visit(name):
+        if name in stack:
+            return [*stack[stack.index(name) :], name]
+        if name in done:
+            return None
+        stack.append(name)
+        cycle = next(filter(None, map(visit, sorted(graph[name]))), None)
+        stack.pop()
+        done.add(name)
+        return cycle
+
+    return next(filter(None, map(visit, sorted(graph))), None)
+
+
+def test_no_module_imports_itself_back():
+    cycle = import_cycle()
+    assert cycle is None, " -> ".join(cycle)
