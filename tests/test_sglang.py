@@ -234,8 +234,8 @@ def test_sglang_plugin_is_in_the_installed_metadata_and_opt_in(monkeypatch, capl
     (entry_point,) = [
         e for e in importlib.metadata.distribution("fused-vision").entry_points if e.group == "sglang.srt.plugins"
     ]
+    assert entry_point.value == "fused_vision.integrations.sglang:sglang_plugin"
     assert entry_point in importlib.metadata.entry_points(group="sglang.srt.plugins")  # where SGLang looks
-    # an install from before integrations/ names fused_vision.sglang: the same module (tests/test_layout.py)
     plugin = entry_point.load()
     assert plugin is fs.sglang_plugin
     stock_forward = vision.Gemma4VisionPooler.forward

@@ -83,8 +83,8 @@ def test_the_entry_point_is_in_the_installed_package_metadata():
     (entry_point,) = [
         e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.dist.name == "fused-vision"
     ]
-    # an install from before integrations/ names fused_vision.vllm: the same module (tests/test_layout.py)
     assert entry_point.name == "fused_vision_gemma4"
+    assert entry_point.value == "fused_vision.integrations.vllm:vllm_plugin"
     assert entry_point.load() is fv.vllm_plugin
 
 
