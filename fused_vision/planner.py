@@ -24,12 +24,12 @@ __all__ = [
     "plan",
     "plan_tokens",
     "PATHS",
-    "ENCODERS",
+    "PLANNED_ENCODERS",
     "ATTENTION_IMPLEMENTATIONS",
 ]
 
 PATHS = ("fused", "onehot")
-ENCODERS = ("stock", "packed")  # stock's padded encoder, or fused_vision.encoder.packed
+PLANNED_ENCODERS = ("stock", "packed")  # stock's padded encoder, or fused_vision.encoder.packed
 ATTENTION_IMPLEMENTATIONS = ("sdpa", "eager")
 
 _BOOKKEEPING_BYTES = 64  # per patch: padding flags, int64 position ids and pooling slots
@@ -183,8 +183,8 @@ def transient_bytes_per_item(
     patches = _positive_int("patches_per_item", patches_per_item)
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
-    if encoder not in ENCODERS:
-        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
+    if encoder not in PLANNED_ENCODERS:
+        raise ValueError(f"encoder: expected one of {PLANNED_ENCODERS}, got {encoder!r}")
     shape = _tower_shape(vision_config, attn_implementation)
     if encoder == "packed":
         per_patch, per_square = _packed_costs(shape, _dtype_bytes(dtype))

@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 # Keywords of Gemma4VisionModel.forward under which the packed forward still returns stock's outputs
-_PASSIVE_KWARGS = ("return_dict", "output_hidden_states", "output_attentions")
+_TOWER_PASSIVE_KWARGS = ("return_dict", "output_hidden_states", "output_attentions")
 
 
 def check_attention(config, argument: str = "encoder") -> None:
@@ -142,7 +142,7 @@ def _packs(tower, pixel_values, pixel_position_ids, kwargs) -> bool:
     """Whether the packed forward returns exactly what stock would: padded (B, N, ·) tensors, no recorded
     hidden states or attentions, a ``ModelOutput`` back; else stock runs (and raises as it does)."""
     config = tower.config
-    if any(name not in _PASSIVE_KWARGS for name in kwargs) or kwargs.get("return_dict", True) is False:
+    if any(name not in _TOWER_PASSIVE_KWARGS for name in kwargs) or kwargs.get("return_dict", True) is False:
         return False
     recorded = ("output_hidden_states", "output_attentions")
     if any(kwargs.get(name) or getattr(config, name, False) for name in recorded):

@@ -19,7 +19,7 @@ from .attention import attention_supported
 __all__ = ["encoder_forward", "packs"]
 
 # Keywords the stock encoder's forward takes that change nothing the layers compute
-_PASSIVE_KWARGS = ("output_hidden_states", "output_attentions", "return_dict", "use_cache")
+_ENCODER_PASSIVE_KWARGS = ("output_hidden_states", "output_attentions", "return_dict", "use_cache")
 
 
 def _padded_call(inputs_embeds, attention_mask, pixel_position_ids, kwargs) -> bool:
@@ -33,7 +33,7 @@ def _padded_call(inputs_embeds, attention_mask, pixel_position_ids, kwargs) -> b
         and attention_mask.shape == inputs_embeds.shape[:2]
         and isinstance(pixel_position_ids, torch.Tensor)
         and pixel_position_ids.shape == (*inputs_embeds.shape[:2], 2)
-        and all(name in _PASSIVE_KWARGS for name in kwargs)
+        and all(name in _ENCODER_PASSIVE_KWARGS for name in kwargs)
     )
 
 

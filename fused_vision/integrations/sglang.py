@@ -39,7 +39,7 @@ SGLANG_MODULE = "sglang.srt.models.gemma4_vision"
 SGLANG_EMBEDDING_MODULE = "sglang.srt.models.embedding_gemma2"
 ENV_SGLANG = "FUSED_VISION_SGLANG"
 # What ``encoder=`` takes here: SGLang's own padded encoder, or it packed (``packed_encoder_forward``).
-ENCODERS = ("stock", "packed")
+SGLANG_ENCODERS = ("stock", "packed")
 # SGLang's attention backends (``QKV_BACKEND_IMPL`` names) that attend within each cu_seqlens segment of
 # one (T, H, d) sequence: flash-attn's varlen layout.
 VARLEN_BACKENDS = ("triton_attn", "fa3", "fa4", "aiter_attn")
@@ -297,8 +297,8 @@ def apply_fused_vision_to_sglang_gemma4(
     poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
     caller = "apply_fused_vision_to_sglang_gemma4"
     release = dict(onehot_lookup=stem.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
-    if encoder not in ENCODERS:
-        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
+    if encoder not in SGLANG_ENCODERS:
+        raise ValueError(f"encoder: expected one of {SGLANG_ENCODERS}, got {encoder!r}")
     encoder_target = None
     if encoder == "packed":
         state = stem.FusedOp("packed_encoder", backend, **release)

@@ -41,7 +41,7 @@ logger = logging.getLogger("fused_vision")
 ENV_VLLM = "FUSED_VISION_VLLM"
 ENV_VLLM_ENCODER = "FUSED_VISION_VLLM_ENCODER"  # the plugin's encoder= (stock when unset)
 VLLM_MODULE = "vllm.model_executor.models.gemma4_mm"
-_STATE = "planner"  # what a patched model runs with, shown in its repr
+_PLANNER_STATE = "planner"  # what a patched model runs with, shown in its repr
 
 
 @dataclasses.dataclass
@@ -198,7 +198,7 @@ def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
     if encoder != "stock":
         apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
     methods = {name: method for name, method in methods.items() if name not in missing}
-    patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _STATE)], "")
+    patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _PLANNER_STATE)], "")
     return len(methods)
 
 
