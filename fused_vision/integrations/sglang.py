@@ -299,11 +299,10 @@ def apply_fused_vision_to_sglang_gemma4(
     release = dict(onehot_lookup=stem.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
     if encoder not in SGLANG_ENCODERS:
         raise ValueError(f"encoder: expected one of {SGLANG_ENCODERS}, got {encoder!r}")
-    encoder_target = None
+    packed_target = None
     if encoder == "packed":
-        state = stem.FusedOp("packed_encoder", backend, **release)
-        encoder_target = encoder_target(vision.Gemma4VisionEncoder, state)
-    options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=encoder_target)
+        packed_target = encoder_target(vision.Gemma4VisionEncoder, stem.FusedOp("packed_encoder", backend, **release))
+    options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=packed_target)
     targets = stem.tower_targets(caller, vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
     hint = (
         "Pass SGLang's Gemma4ForConditionalGeneration, EmbeddingGemma2Model or Gemma4VisionEncoder (for "
