@@ -14,15 +14,9 @@ import fused_vision
 from fused_vision import reference
 
 from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
-from op_cases import ULP, assert_within, exactly_summable
+from op_cases import EPS, ULP, assert_within, exactly_summable, inv_freq
 
 BACKENDS = ["triton", "reference"]
-EPS = 1e-6
-
-
-def inv_freq(head_dim, theta=100.0):
-    spatial = head_dim // 2
-    return (1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)).to(DEVICE)
 
 
 def make_case(tokens, heads, kv_heads, head_dim, dtype, values=None):
@@ -183,20 +177,3 @@ def test_backward_is_autograd_through_the_reference(backend):
     expected = torch.autograd.grad(reference.qkv_norm_rope(*case, 2, 1, EPS), inputs, grads_out)
     for name, a, e in zip(["qkv", "q_weight", "k_weight", "inv_freq"], actual, expected):
         assert_bit_identical(a, e, f"grad of {name}")
-
-
-def test_opcheck_and_compile():
-    qkv, ids, q_weight, k_weight, freqs = make_case(7, 2, 1, 64, torch.float32)
-    clamps = torch.tensor([[-1.0, 1.0]] * 3, device=DEVICE)
-    qkv.requires_grad_(True)
-    op = torch.ops.fused_vision.qkv_norm_rope.default
-    torch.library.opcheck(op, (qkv, ids, q_weight, k_weight, freqs, 2, 1, EPS, clamps, "triton"))
-
-    def layer(qkv):
-        q, k, v = fused_vision.qkv_norm_rope(qkv, ids, q_weight, k_weight, freqs, 2, 1, backend="triton")
-        return q.sum() + 2 * k.sum() + 3 * v.sum()
-
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    (grad,) = torch.autograd.grad(compiled(qkv), qkv)
-    (expected,) = torch.autograd.grad(layer(qkv), qkv)
-    assert_bit_identical(grad, expected)
