@@ -10,7 +10,7 @@ from fused_vision import reference
 from fused_vision.ops.pool_by_positions import pool_by_positions_backward
 from fused_vision.ops.position_embeddings import position_embeddings_backward
 
-from conftest import DEVICE, assert_as_accurate_as_stock, assert_close
+from helpers import DEVICE, assert_as_accurate_as_stock, assert_close
 
 # One unit in the last place, relative: 2**-(stored mantissa bits).
 ULP = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}

@@ -12,8 +12,8 @@ import fused_vision.fused_layer as fl
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
 from fused_vision.attention import Packing
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, fallbacks_fail
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE, GRIDS, KINDS, SEQ_LEN, make_inputs, tower_of
+from helpers import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, fallbacks_fail
 
 ENCODERS = ["packed", "fused"]
 REAL = [48, 40, 12, 4]  # the real patches of GRIDS + [(2, 2)]

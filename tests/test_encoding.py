@@ -15,7 +15,6 @@ import fused_vision.encoding as fe
 import fused_vision.planner as planner
 from fused_vision import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
 
-from conftest import assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
@@ -35,6 +34,7 @@ from gemma4_towers import (
     run_tower,
     vision_config,
 )
+from helpers import assert_bit_identical, assert_close, dtype_id
 
 encode_padded = functools.partial(encode_images, packed=False)  # today's buckets by patch count
 

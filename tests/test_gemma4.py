@@ -18,7 +18,6 @@ import fused_vision.gemma4 as fg
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
@@ -37,6 +36,7 @@ from gemma4_towers import (
     run_tower,
     tiny_conditional_generation,
 )
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id
 
 EXPECT_ONEHOT_ENV = "FUSED_VISION_EXPECT_ONEHOT_ERA"  # set by CI's run on transformers 5.9
 

@@ -17,7 +17,7 @@ from torch import nn
 
 from fused_vision import patching
 
-from conftest import assert_bit_identical
+from helpers import assert_bit_identical
 
 CALLER = "apply_stand_in"
 HINT = "Pass a model holding a Scale or a Bare."

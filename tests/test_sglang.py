@@ -20,7 +20,7 @@ import fused_vision.sglang as fs
 from fused_vision import _releases
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from helpers import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from sglang_towers import (
     GRIDS,
     HIDDEN,

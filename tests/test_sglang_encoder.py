@@ -17,7 +17,7 @@ import fused_vision.sglang as fs
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, run_together
+from helpers import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, run_together
 from sglang_towers import (
     embedding_gemma2,
     float64_twin,

@@ -17,7 +17,6 @@ import torch
 import fused_vision.fused_layer as fl
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_as_accurate_as_stock
 from gemma4_towers import (
     ACCURACY_FLOOR,
     GRIDS,
@@ -31,6 +30,7 @@ from gemma4_towers import (
     make_inputs,
     tower_of,
 )
+from helpers import DEVICE, assert_as_accurate_as_stock
 
 ENCODERS = ["stock", "packed", "fused"]
 # mode -> the fused layer calls of a fused tower's forward, and of its forward and backward together

@@ -25,8 +25,8 @@ from fused_vision import (
 from fused_vision.bench.tower import LOW_MEMORY_TOWER, VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
 
-from conftest import assert_bit_identical, assert_close
 from gemma4_towers import modeling, out_of_memory_above
+from helpers import assert_bit_identical, assert_close
 from op_cases import ULP
 from vllm_models import (  # noqa: F401 (the fixtures)
     GiB,

@@ -23,8 +23,8 @@ from fused_vision import (
     revert_fused_vision_vllm_gemma4,
 )
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE
+from helpers import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail
 from vllm_models import (  # noqa: F401 (the fixtures)
     GiB,
     build_vllm_model,

@@ -8,7 +8,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from helpers import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
 from op_cases import GRAD_DTYPES, assert_matches_stock, check_gradients, make_ids, make_inputs
 
 BACKENDS = ["triton", "reference"]

@@ -7,7 +7,7 @@ import fused_vision
 from fused_vision import reference
 from fused_vision.kernels.common import int32_inner_offsets
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
 from op_cases import grads, grid_ids, make_batch
 
 BACKENDS = ["triton", "reference"]

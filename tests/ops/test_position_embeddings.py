@@ -10,7 +10,7 @@ from fused_vision import reference
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
 from op_cases import GRAD_DTYPES, check_gradients, make_ids
 
 BACKENDS = ["triton", "reference"]

@@ -12,7 +12,7 @@ import torch.autograd.forward_ad as fwAD
 import fused_vision
 from fused_vision import _dispatch, reference
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id
 from op_cases import (
     CASES,
     FORWARD_OPS,

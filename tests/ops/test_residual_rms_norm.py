@@ -13,7 +13,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
 from op_cases import EPS, ULP, assert_within, exactly_summable, sum_order_error
 
 BACKENDS = ["triton", "reference"]
