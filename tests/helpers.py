@@ -4,6 +4,7 @@ import contextlib
 import threading
 import warnings
 
+import pytest
 import torch
 from torch import nn
 
@@ -116,3 +117,24 @@ def run_together(meeting_point: nn.Module, *calls):
     if errors:
         raise errors[0]
     return results
+
+
+def reverting_to_stock(*reverts, before=False, fresh_warnings=False):
+    """The autouse fixture ``stock_after_each_test`` for a module to assign: it calls ``reverts`` in order
+    after each test (and before it too, with ``before``); with ``fresh_warnings`` each test starts with an
+    empty record of fused_vision's once-only warnings, so it sees the ones it causes."""
+
+    @pytest.fixture(autouse=True, name="stock_after_each_test")
+    def fixture(monkeypatch):
+        if fresh_warnings:
+            from fused_vision import _dispatch  # imported here: conftest sets the environment first
+
+            monkeypatch.setattr(_dispatch, "_WARNED", set())
+        if before:
+            for revert in reverts:
+                revert()
+        yield
+        for revert in reverts:
+            revert()
+
+    return fixture

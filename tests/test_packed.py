@@ -33,15 +33,12 @@ from gemma4_towers import (
     randomize,
     tower_of,
 )
-from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id, reverting_to_stock
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4)
 
 
 @pytest.fixture
