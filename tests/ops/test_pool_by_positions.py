@@ -1,7 +1,10 @@
 """The pooler against stock's one-hot: same slots and mask, averages within one rounding, deterministic."""
 
+import warnings
+
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import fused_vision
 from fused_vision import reference
@@ -265,3 +268,25 @@ def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, 
     _, (actual,) = grads(fused, [hidden_states], grad_out)
     _, (expected,) = grads(stock, [hidden_states], grad_out)
     assert_bit_identical(actual, expected, "grad of hidden_states")
+
+
+def test_forward_mode_ad_tangent_is_the_pooled_tangent():
+    """The pooler is linear: with the hidden states as their own tangent, the tangent is the output (J h = f(h))."""
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
+    with fwAD.dual_level(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dual = fwAD.make_dual(hidden_states, hidden_states)
+        pooled, _ = fused_vision.pool_by_positions(dual, pool_ids, pool_padding, 4)
+        assert_bit_identical(fwAD.unpack_dual(pooled).tangent, fwAD.unpack_dual(pooled).primal)
+
+
+def test_outputs_are_contiguous_when_n_equals_l():
+    """N == L with transposed padding and hidden states: the mask, too, is contiguous."""
+    hidden_states = torch.randn(16, 2, 8, device=DEVICE).transpose(0, 1)
+    pool_ids = torch.stack([grid_ids(4, 4, 16)] * 2).to(DEVICE)
+    padding = torch.zeros(16, 2, dtype=torch.bool, device=DEVICE).t()
+    for backend in ("triton", "reference"):
+        pooled, mask = fused_vision.pool_by_positions(hidden_states, pool_ids, padding, 16, backend=backend)
+        assert pooled.is_contiguous() and mask.is_contiguous()
+        pool_op = torch.ops.fused_vision.pool_by_positions.default
+        torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, True, backend))

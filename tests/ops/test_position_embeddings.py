@@ -1,8 +1,11 @@
 """The lookup against the one-hot definition: bit-identical for every backend, dtype and layout (and to
 transformers 5.10+'s F.embedding code where the two differ, at -0.0 sums)."""
 
+import warnings
+
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import fused_vision
@@ -165,3 +168,14 @@ def test_reference_passes_gradcheck():
     ids = make_ids(2, 7, 5, padded_tail=2, half_padded=1)
     table = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
     assert torch.autograd.gradcheck(lambda t: reference.position_embeddings(t, ids), (table,))
+
+
+def test_forward_mode_ad_tangent_is_the_lookup_of_the_tangent():
+    """The lookup is linear: its tangent is the lookup of the table's tangent."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    tangent = torch.randn_like(table)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    with fwAD.dual_level(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids)
+        assert_bit_identical(fwAD.unpack_dual(out).tangent, reference.position_embeddings(tangent, ids))

@@ -20,7 +20,6 @@ from op_cases import (
     OPS,
     differentiable_inputs,
     grads,
-    grid_ids,
     make_batch,
     make_ids,
     make_inputs,
@@ -206,21 +205,6 @@ def test_forward_mode_ad_carries_tangents(case, backend):
             case.call(duals, "triton")
 
 
-def test_forward_mode_ad_of_the_linear_stem_ops():
-    """The lookup and the pooler are linear: their tangent is the op of the tangent (J h = f(h))."""
-    table = torch.randn(2, 20, 8, device=DEVICE)
-    tangent = torch.randn_like(table)
-    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
-    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
-    with fwAD.dual_level(), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        out = fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids)
-        assert_bit_identical(fwAD.unpack_dual(out).tangent, reference.position_embeddings(tangent, ids))
-        dual = fwAD.make_dual(hidden_states, hidden_states)
-        pooled, _ = fused_vision.pool_by_positions(dual, pool_ids, pool_padding, 4)
-        assert_bit_identical(fwAD.unpack_dual(pooled).tangent, fwAD.unpack_dual(pooled).primal)
-
-
 def _flat(outs):
     return torch.cat([out.flatten() for out in outs])
 
@@ -261,8 +245,8 @@ def test_torch_func_transforms_run_the_reference(case, backend):
 def _per_sample_cases():
     """Each op as a model calls it on one item (a batch of 1), times a cotangent and summed: the loss, its
     batched arguments, vmap's in_dims (None: shared) and the arguments it is differentiated in (shared
-    parameters; the pooler has none, so its item's hidden states). Items are padded differently, and an
-    id that is bad in one item."""
+    parameters; the pooler and the MLP activation have none, so their item's input). Items are padded
+    differently, and an id that is bad in one item (None: the op reads no id's value)."""
     ids = torch.cat([make_ids(1, 11, 20, padded_tail=tail, half_padded=1) for tail in (0, 2, 5)]).to(DEVICE)
     pixels, weight, table, _ = make_inputs(3, 11, 12, 8, 20, torch.float32, torch.float32, 0)
     hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6), (6, 3)], 3, 4, 8, torch.float32)
@@ -280,7 +264,27 @@ def _per_sample_cases():
         pooled, _ = fused_vision.pool_by_positions(hidden_states[None], ids[None], padding[None], 4, backend=backend)
         return (pooled * cotangent).sum()
 
+    layers = {op: [CASES[op].inputs() for _ in range(3)] for op in ("qkv_norm_rope", "residual_rms_norm", "gelu_gate")}
+    qkv, norm, gelu = ({k: v if k not in stacked else torch.stack([i[k] for i in items]) for k, v in items[0].items()}
+                       for items, stacked in [(layers["qkv_norm_rope"], ("qkv", "position_ids")),
+                                              (layers["residual_rms_norm"], ("x", "residual")),
+                                              (layers["gelu_gate"], ("gate_up",))])  # fmt: skip
+
+    def attend(q_weight, k_weight, inv_freq, qkv_item, ids, cotangent, backend):
+        outs = fused_vision.qkv_norm_rope(qkv_item, ids, q_weight, k_weight, inv_freq, 2, 1, clamps=qkv["clamps"],
+                                          backend=backend)  # fmt: skip
+        return (torch.cat([out.flatten() for out in outs]) * cotangent).sum()
+
+    def add_and_norm(post_weight, next_weight, x, residual, cotangent, backend):
+        h, y = fused_vision.residual_rms_norm(x[None], residual[None], post_weight, next_weight, backend=backend)
+        return (torch.cat([h, y]) * cotangent).sum()
+
+    def activate(gate_up, cotangent, backend):
+        return (fused_vision.gelu_gate(gate_up[None], gelu["clamps"], backend=backend) * cotangent).sum()
+
     cotangent, pool_cotangent = torch.randn(3, 11, 8, device=DEVICE), torch.randn(3, 4, 8, device=DEVICE)
+    qkv_args = (qkv["q_weight"], qkv["k_weight"], qkv["inv_freq"], qkv["qkv"], qkv["position_ids"])
+    norm_args = (norm["post_weight"], norm["next_weight"], norm["x"], norm["residual"])
     return {
         "position_embeddings": (lookup, (table, ids, cotangent), (None, 0, 0), (0,), (1, bad_ids)),
         "patch_embed": (embed, (weight, table, pixels, ids, cotangent), (None, None, 0, 0, 0), (0, 1), (3, bad_ids)),
@@ -291,7 +295,12 @@ def _per_sample_cases():
             (0,),
             (1, bad_pool_ids),
         ),
-    }
+        "qkv_norm_rope": (attend, (*qkv_args, torch.randn(3, qkv["qkv"][0].numel(), device=DEVICE)),
+                          (None, None, None, 0, 0, 0), (0, 1, 2, 3), None),
+        "residual_rms_norm": (add_and_norm, (*norm_args, torch.randn(3, 2, 5, 16, device=DEVICE)),
+                              (None, None, 0, 0, 0), (0, 1), None),
+        "gelu_gate": (activate, (gelu["gate_up"], torch.randn(3, 1, 6, 16, device=DEVICE)), (0, 0), (0,), None),
+    }  # fmt: skip
 
 
 def _item_grads(loss, args, in_dims, argnums, item, backend):
@@ -306,11 +315,11 @@ def _item_grads(loss, args, in_dims, argnums, item, backend):
 
 @pytest.mark.filterwarnings("ignore:fused_vision.*torch.func transforms run the PyTorch reference")
 @pytest.mark.parametrize("backend", ["auto", "reference"])
-@pytest.mark.parametrize("op", ["position_embeddings", "patch_embed", "pool_by_positions"])
+@pytest.mark.parametrize("op", [case.op for case in FORWARD_OPS])
 def test_per_sample_gradients(op, backend):
     """vmap(grad(...)), the per-sample gradients of DP-SGD training, equals autograd through the fused
     backward item by item, and grad(vmap(...)) their sum; the id checks still read every mapped item."""
-    loss, args, in_dims, argnums, (bad_arg, bad_ids) = _per_sample_cases()[op]
+    loss, args, in_dims, argnums, bad = _per_sample_cases()[op]
     per_sample_grads = torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))
     per_sample = per_sample_grads(*args, backend)
     for item in range(3):
@@ -325,9 +334,11 @@ def test_per_sample_gradients(op, backend):
     for i, actual, items in zip(argnums, summed, per_sample):
         wanted = items.sum(0) if in_dims[i] is None else items
         assert_close(actual, wanted, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, what=f"grad(vmap), arg {i}")
-    bad_args = [bad_ids if i == bad_arg else a for i, a in enumerate(args)]
-    with pytest.raises(ValueError, match="position_ids: "):
-        per_sample_grads(*bad_args, backend)
+    if bad is not None:
+        bad_arg, bad_ids = bad
+        bad_args = [bad_ids if i == bad_arg else a for i, a in enumerate(args)]
+        with pytest.raises(ValueError, match="position_ids: "):
+            per_sample_grads(*bad_args, backend)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -368,18 +379,6 @@ def test_outputs_are_contiguous_whatever_the_inputs_strides(case, backend):
         if backend == "triton":
             assert_bit_identical(a, e)
     torch.library.opcheck(getattr(torch.ops.fused_vision, case.op).default, case.op_args(transposed, backend))
-
-
-def test_pooler_outputs_are_contiguous_when_n_equals_l():
-    """N == L with transposed padding and hidden states: the mask, too, is contiguous."""
-    hidden_states = torch.randn(16, 2, 8, device=DEVICE).transpose(0, 1)
-    pool_ids = torch.stack([grid_ids(4, 4, 16)] * 2).to(DEVICE)
-    padding = torch.zeros(16, 2, dtype=torch.bool, device=DEVICE).t()
-    for backend in ("triton", "reference"):
-        pooled, mask = fused_vision.pool_by_positions(hidden_states, pool_ids, padding, 16, backend=backend)
-        assert pooled.is_contiguous() and mask.is_contiguous()
-        pool_op = torch.ops.fused_vision.pool_by_positions.default
-        torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, True, backend))
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason="the kernels read clamps as contiguous (3, 2)")
