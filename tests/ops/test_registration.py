@@ -124,9 +124,11 @@ def test_compile_dynamic_shapes(case):
     second length runs through the same graph."""
     torch.compiler.reset()  # the two lengths in one graph, not the last test's
     compiled = torch.compile(lambda inputs: case.call(inputs, "auto"), fullgraph=True, dynamic=True)
-    for scale in (1, 2):
+    for scale, stance in ((1, "default"), (2, "fail_on_recompile")):
         inputs = case.inputs(scale)
-        for a, e in zip(compiled(inputs), outputs(case.reference(**inputs))):
+        with torch.compiler.set_stance(stance):
+            actual = compiled(inputs)
+        for a, e in zip(actual, outputs(case.reference(**inputs)), strict=True):
             assert_close(a, e, atol=1e-5, rtol=1e-5, what=f"scale {scale}")
 
 
