@@ -127,7 +127,7 @@ def reverting_to_stock(*reverts, before=False, fresh_warnings=False):
     @pytest.fixture(autouse=True, name="stock_after_each_test")
     def fixture(monkeypatch):
         if fresh_warnings:
-            from fused_vision import _dispatch  # imported here: conftest sets the environment first
+            from fused_vision import _dispatch  # not at import: conftest imports this before it sets TRITON_INTERPRET
 
             monkeypatch.setattr(_dispatch, "_WARNED", set())
         if before:
