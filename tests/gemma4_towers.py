@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from conftest import DEVICE, assert_as_accurate_as_stock, assert_close
+from helpers import DEVICE, assert_as_accurate_as_stock, assert_close
 from op_cases import grid_ids
 
 transformers = pytest.importorskip("transformers")

@@ -1,13 +1,26 @@
-"""Inputs and stock comparisons shared by the ops' tests."""
+"""Inputs and stock comparisons shared by the ops' tests, and the table of registered ops."""
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
+import fused_vision
 from fused_vision import reference
+from fused_vision.ops.pool_by_positions import pool_by_positions_backward
+from fused_vision.ops.position_embeddings import position_embeddings_backward
 
-from conftest import DEVICE
+from helpers import DEVICE, assert_as_accurate_as_stock, assert_close
 
 # One unit in the last place, relative: 2**-(stored mantissa bits).
 ULP = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}
+GRAD_DTYPES = [torch.float32, torch.bfloat16]
+# fp32 gradients agree with stock's to rounding. bf16 ones are sums of many rounded terms, which stock
+# and fused order (and, for the table, accumulate: stock's F.embedding backward adds in bf16, fused in
+# fp32) differently, so they are judged against float64 instead: no worse than 1.5x stock's relative
+# error, or than the bf16 rounding of the result itself.
+FP32_TOLERANCE = 1e-5
+BF16_ERROR_FLOOR = 2**-8
 # fp32 accumulation over K terms in another order than stock's: a bound on sum |w_k x_k| far above the
 # typical sqrt(K) * 2**-24 and well under the worst case K * 2**-24.
 ACCUMULATION = 1e-5
@@ -98,3 +111,162 @@ def sum_order_error(size):
     """A bound on the relative error of an RMS norm's output from summing ``size`` fp32 squares in another
     order: each order is off by at most size * 2**-24 relative, and the -0.5 power halves it."""
     return size * 2**-25
+
+
+def grads(fn, inputs, grad_out):
+    inputs = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    out.backward(grad_out.to(out.dtype))
+    return out.detach(), [t.grad for t in inputs]
+
+
+def check_gradients(fused, stock, inputs, grad_out, dtype, names):
+    """Every gradient of ``fused`` against ``stock``'s; returns the two outputs."""
+    out, actual = grads(fused, inputs, grad_out)
+    expected_out, expected = grads(stock, inputs, grad_out)
+    if dtype == torch.float32:
+        for name, a, e in zip(names, actual, expected):
+            assert_close(a, e, atol=FP32_TOLERANCE, rtol=FP32_TOLERANCE, what=f"grad of {name}")
+        return out, expected_out
+    _, exact = grads(stock, [t.double() for t in inputs], grad_out.double())
+    for name, a, e, x in zip(names, actual, expected, exact):
+        assert_as_accurate_as_stock(a, e, x, floor=BF16_ERROR_FLOOR, what=f"grad of {name}")
+    return out, expected_out
+
+
+EPS = 1e-6
+CLAMPS = [[-3.0, 2.5], [-1.5, 1.75], [-1.0, 0.9]]
+
+
+def inv_freq(head_dim, theta=100.0):
+    spatial = head_dim // 2
+    return (1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)).to(DEVICE)
+
+
+@dataclass(frozen=True)
+class OpCase:
+    """A registered op: fresh random inputs by argument name (``scale`` lengthens the sequence), the function
+    users call with them as keywords (for a backward op, the op itself), its PyTorch reference (forward
+    ops), and the inputs it is differentiable in."""
+
+    op: str
+    inputs: Callable[..., dict]
+    public: Callable
+    reference: Callable | None
+    differentiable: tuple[str, ...]
+
+    def __str__(self):
+        return self.op
+
+    def call(self, inputs, backend):
+        return outputs(self.public(**inputs, backend=backend))
+
+    def op_args(self, inputs, backend):
+        """The registered op's positional arguments, in its schema's order."""
+        schema = getattr(torch.ops.fused_vision, self.op).default._schema
+        return tuple(backend if a.name == "backend" else inputs[a.name] for a in schema.arguments)
+
+
+def outputs(result):
+    """An op's floating-point outputs as a tuple (without the pooler's mask or a missing y)."""
+    result = result if isinstance(result, tuple) else (result,)
+    return tuple(t for t in result if t is not None and t.is_floating_point())
+
+
+def _lookup_inputs(scale=1, dtype=torch.float32):
+    ids = make_ids(2, 11 * scale, 20, padded_tail=3, half_padded=1).to(DEVICE)
+    return dict(
+        table=torch.randn(2, 20, 8, device=DEVICE).to(dtype),
+        position_ids=ids,
+        padding_positions=reference.default_padding_positions(ids),
+        residual=torch.randn(2, 11 * scale, 8, device=DEVICE).to(dtype),
+    )
+
+
+def _embed_inputs(scale=1, dtype=torch.float32):
+    pixels, weight, table, ids = make_inputs(2, 11 * scale, 12, 8, 20, dtype, torch.float32, 3)
+    padding = reference.default_padding_positions(ids)
+    return dict(pixel_values=pixels, weight=weight, table=table, position_ids=ids, padding_positions=padding)
+
+
+def _pool_inputs(scale=1, dtype=torch.float32):
+    """Grids shuffled (fresh ids each call) into 4 * scale slots of 3 x 3 patches."""
+    hidden_states, ids, padding = make_batch([(6, 6 * scale), (3, 6 * scale)], 3, 4 * scale, 8, dtype, shuffle=True)
+    return dict(
+        hidden_states=hidden_states,
+        position_ids=ids,
+        padding_positions=padding,
+        output_length=4 * scale,
+        round_average=True,
+    )
+
+
+def _qkv_inputs(scale=1, dtype=torch.float32):
+    tokens, head_dim = 7 * scale, 16
+    ids = torch.randint(0, 40, (tokens, 2), device=DEVICE)
+    ids[-2:] = -1
+    return dict(
+        qkv=torch.randn(tokens, 4 * head_dim, device=DEVICE).to(dtype),
+        position_ids=ids,
+        q_weight=(1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype),
+        k_weight=(1 + 0.3 * torch.randn(head_dim, device=DEVICE)).to(dtype),
+        inv_freq=inv_freq(head_dim),
+        num_heads=2,
+        num_kv_heads=1,
+        eps=EPS,
+        clamps=torch.tensor(CLAMPS, device=DEVICE),
+    )
+
+
+def _norm_inputs(scale=1, dtype=torch.float32):
+    x, residual = (torch.randn(2, 5 * scale, 16, device=DEVICE).to(dtype) for _ in range(2))
+    post_weight, next_weight = ((1 + 0.3 * torch.randn(16, device=DEVICE)).to(dtype) for _ in range(2))
+    return dict(x=x, residual=residual, post_weight=post_weight, next_weight=next_weight, eps=EPS)
+
+
+def _gelu_inputs(scale=1, dtype=torch.float32):
+    gate_up = (2 * torch.randn(2, 6 * scale, 2 * 16, device=DEVICE)).to(dtype)
+    return dict(gate_up=gate_up, clamps=torch.tensor(CLAMPS, device=DEVICE))
+
+
+def _lookup_grad_inputs(scale=1, dtype=torch.float32):
+    lookup = _lookup_inputs(scale)
+    grad = torch.randn(2, 11 * scale, 8, device=DEVICE)
+    return dict(grad=grad, position_ids=lookup["position_ids"], padding_positions=lookup["padding_positions"],
+                num_positions=20, dtype=dtype)  # fmt: skip
+
+
+def _pool_grad_inputs(scale=1, dtype=torch.float32):
+    pool = _pool_inputs(scale)
+    grad_pooled = torch.randn(2, 4 * scale, 8, device=DEVICE)
+    return dict(grad_pooled=grad_pooled, position_ids=pool["position_ids"], padding_positions=pool["padding_positions"],
+                output_length=4 * scale, hidden_dtype=dtype, round_average=True)  # fmt: skip
+
+
+FORWARD_OPS = [
+    OpCase("position_embeddings", _lookup_inputs, fused_vision.position_embeddings, reference.position_embeddings,
+           ("table", "residual")),
+    OpCase("patch_embed", _embed_inputs, fused_vision.patch_embed, reference.patch_embed,
+           ("pixel_values", "weight", "table")),
+    OpCase("pool_by_positions", _pool_inputs, fused_vision.pool_by_positions, reference.pool_by_positions,
+           ("hidden_states",)),
+    OpCase("qkv_norm_rope", _qkv_inputs, fused_vision.qkv_norm_rope, reference.qkv_norm_rope,
+           ("qkv", "q_weight", "k_weight", "inv_freq")),
+    OpCase("residual_rms_norm", _norm_inputs, fused_vision.residual_rms_norm, reference.residual_rms_norm,
+           ("x", "residual", "post_weight", "next_weight")),
+    OpCase("gelu_gate", _gelu_inputs, fused_vision.gelu_gate, reference.gelu_gate, ("gate_up",)),
+]  # fmt: skip
+BACKWARD_OPS = [
+    OpCase("position_embeddings_backward", _lookup_grad_inputs, position_embeddings_backward, None, ("grad",)),
+    OpCase("pool_by_positions_backward", _pool_grad_inputs, pool_by_positions_backward, None, ("grad_pooled",)),
+]
+OPS = FORWARD_OPS + BACKWARD_OPS
+CASES = {case.op: case for case in OPS}
+
+
+def differentiable_inputs(case, **kwargs):
+    inputs = case.inputs(**kwargs)
+    for name in case.differentiable:
+        inputs[name].requires_grad_(True)
+    return inputs

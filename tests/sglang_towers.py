@@ -11,8 +11,8 @@ import importlib
 import pytest
 import torch
 
-from conftest import DEVICE
 from gemma4_towers import make_inputs, randomize, vision_config
+from helpers import DEVICE
 
 SGLANG_MISSING = (
     "SGLang is not installed, and these tests run its real package: pip install sglang==0.5.23 "

@@ -14,15 +14,10 @@ from torch import nn
 import fused_vision.vllm as fv
 from fused_vision import apply_fused_vision_to_gemma4, attention, encode_images, patching, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_bit_identical, assert_close, run_together
 from gemma4_towers import FP32_CLOSE, GRIDS, SEQ_LEN, make_inputs, run_tower, tower_of
+from helpers import DEVICE, assert_bit_identical, assert_close, reverting_to_stock, run_together
 
-
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    revert_fused_vision_gemma4()
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4, before=True)
 
 
 def packed_forward(tower, pixels, ids):

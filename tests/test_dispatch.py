@@ -14,7 +14,7 @@ from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
-from conftest import assert_bit_identical
+from helpers import assert_bit_identical
 
 CPU = torch.device("cpu")
 

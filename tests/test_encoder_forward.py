@@ -9,21 +9,24 @@ import torch.nn.functional as F
 from torch import nn
 
 import fused_vision.fused_layer as fl
-from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
+from fused_vision import apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
 from fused_vision.attention import Packing
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, fallbacks_fail
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE, GRIDS, KINDS, SEQ_LEN, make_inputs, tower_of
+from helpers import (
+    assert_as_accurate_as_stock,
+    assert_bit_identical,
+    assert_close,
+    dtype_id,
+    fallbacks_fail,
+    reverting_to_stock,
+)
 
 ENCODERS = ["packed", "fused"]
 REAL = [48, 40, 12, 4]  # the real patches of GRIDS + [(2, 2)]
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_WARNED", set())
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4, fresh_warnings=True)
 
 
 @pytest.fixture

@@ -17,7 +17,6 @@ import fused_vision.kernels.qkv_norm_rope
 import fused_vision.kernels.residual_rms_norm
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, packed, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id, fallbacks_fail
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
@@ -36,6 +35,7 @@ from gemma4_towers import (
     run_tower,
     tower_of,
 )
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id, fallbacks_fail, reverting_to_stock
 
 KERNELS = {
     "qkv_norm_rope": fused_vision.kernels.qkv_norm_rope,
@@ -45,11 +45,7 @@ KERNELS = {
 FUSED_LAYER_KERNELS = ["qkv_norm_rope", "residual_rms_norm", "gelu_gate", "residual_rms_norm"]
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_WARNED", set())
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4, fresh_warnings=True)
 
 
 @pytest.fixture

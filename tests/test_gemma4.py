@@ -19,7 +19,6 @@ import fused_vision.integrations.stem as stem
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
@@ -38,14 +37,12 @@ from gemma4_towers import (
     run_tower,
     tiny_conditional_generation,
 )
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id, reverting_to_stock
 
 EXPECT_ONEHOT_ENV = "FUSED_VISION_EXPECT_ONEHOT_ERA"  # set by CI's run on transformers 5.9
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4)
 
 
 # ---- which release family, told from the code -----------------------------------------------------

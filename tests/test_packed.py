@@ -16,7 +16,6 @@ import fused_vision.packed as fp
 import fused_vision.planner as planner
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
 from gemma4_towers import (
     FP32_CLOSE,
     GRIDS,
@@ -34,14 +33,12 @@ from gemma4_towers import (
     randomize,
     tower_of,
 )
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id, reverting_to_stock
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4)
 
 
 @pytest.fixture

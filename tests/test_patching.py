@@ -17,7 +17,7 @@ from torch import nn
 
 from fused_vision import patching
 
-from conftest import assert_bit_identical
+from helpers import assert_bit_identical, reverting_to_stock
 
 CALLER = "apply_stand_in"
 HINT = "Pass a model holding a Scale or a Bare."
@@ -113,13 +113,14 @@ def fused_attributes(module) -> list[str]:
     return [name for name in vars(module) if name.startswith("_fused_vision")]
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
+def revert_and_check_the_classes():
     revert()
     assert_class_is_stock(Scale)
     assert_class_is_stock(Bare)
     assert_class_is_stock(Budgeted)
+
+
+stock_after_each_test = reverting_to_stock(revert_and_check_the_classes)
 
 
 # ---- classes and instances -------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import DEVICE, TIME_BOXED
+from helpers import DEVICE, TIME_BOXED
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -20,7 +20,15 @@ import fused_vision.sglang as fs
 from fused_vision import _releases
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from helpers import (
+    DEVICE,
+    FLOAT_DTYPES,
+    assert_as_accurate_as_stock,
+    assert_bit_identical,
+    assert_close,
+    dtype_id,
+    reverting_to_stock,
+)
 from sglang_towers import (
     GRIDS,
     HIDDEN,
@@ -38,10 +46,7 @@ from sglang_towers import (
 EmbeddingPooler = embedding_gemma2.EmbeddingGemma2VisionPooler
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
-    revert_fused_vision_sglang_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_sglang_gemma4)
 
 
 # ---- the modules under test are SGLang's own, as installed ------------------------------------------------

@@ -17,7 +17,14 @@ import fused_vision.sglang as fs
 from fused_vision.gemma4 import apply_fused_vision_to_gemma4
 from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id, run_together
+from helpers import (
+    assert_as_accurate_as_stock,
+    assert_bit_identical,
+    assert_close,
+    dtype_id,
+    reverting_to_stock,
+    run_together,
+)
 from sglang_towers import (
     embedding_gemma2,
     float64_twin,
@@ -38,10 +45,7 @@ def sglang_world(tmp_path_factory):
         yield
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
-    revert_fused_vision_sglang_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_sglang_gemma4)
 
 
 def test_the_encoder_under_test_is_sglangs_real_tower():

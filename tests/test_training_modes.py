@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import fused_vision.fused_layer as fl
-from fused_vision import _dispatch, apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
+from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 
-from conftest import DEVICE, assert_as_accurate_as_stock
 from gemma4_towers import (
     ACCURACY_FLOOR,
     GRIDS,
@@ -31,6 +30,7 @@ from gemma4_towers import (
     make_inputs,
     tower_of,
 )
+from helpers import DEVICE, assert_as_accurate_as_stock, reverting_to_stock
 
 ENCODERS = ["stock", "packed", "fused"]
 # mode -> the fused layer calls of a fused tower's forward, and of its forward and backward together
@@ -46,11 +46,7 @@ FUSED_CALLS = {
 }
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_WARNED", set())
-    yield
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4, fresh_warnings=True)
 
 
 @pytest.fixture

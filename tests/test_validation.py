@@ -9,7 +9,7 @@ import fused_vision
 from fused_vision._validation import id_checks_enabled
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_backward
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
 from op_cases import grid_ids
 
 BACKENDS = ["triton", "reference"]

@@ -26,8 +26,8 @@ from fused_vision import (
 from fused_vision.bench.tower import LOW_MEMORY_TOWER, VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
 
-from conftest import assert_bit_identical, assert_close
 from gemma4_towers import modeling, out_of_memory_above
+from helpers import assert_bit_identical, assert_close, reverting_to_stock
 from op_cases import ULP
 from vllm_models import (  # noqa: F401 (the fixtures)
     GiB,
@@ -49,11 +49,7 @@ FRAME, IMAGE = 630, 2520  # patches per video frame (70 soft tokens) and per ima
 PATCHED = tuple(fv._methods(model_class())) if gemma4_mm is not None else ()
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test():
-    yield
-    revert_fused_vision_vllm_gemma4()
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(revert_fused_vision_vllm_gemma4, revert_fused_vision_gemma4)
 
 
 def guarded(method: str) -> str:

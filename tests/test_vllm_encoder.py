@@ -14,7 +14,6 @@ import torch.nn.functional as F
 import fused_vision.fused_layer as fl
 import fused_vision.vllm as fv
 from fused_vision import (
-    _dispatch,
     apply_fused_vision_to_gemma4,
     apply_fused_vision_to_vllm_gemma4,
     attention,
@@ -23,8 +22,8 @@ from fused_vision import (
     revert_fused_vision_vllm_gemma4,
 )
 
-from conftest import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE
+from helpers import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail, reverting_to_stock
 from vllm_models import (  # noqa: F401 (the fixtures)
     GiB,
     build_vllm_model,
@@ -45,12 +44,9 @@ ENCODERS = ["packed", "fused"]
 METHODS = ["_process_image_input", "_process_video_input", "encoder_eager_forward"]
 
 
-@pytest.fixture(autouse=True)
-def stock_after_each_test(monkeypatch):
-    monkeypatch.setattr(_dispatch, "_WARNED", set())
-    yield
-    revert_fused_vision_vllm_gemma4()
-    revert_fused_vision_gemma4()
+stock_after_each_test = reverting_to_stock(
+    revert_fused_vision_vllm_gemma4, revert_fused_vision_gemma4, fresh_warnings=True
+)
 
 
 @pytest.fixture

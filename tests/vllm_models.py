@@ -13,8 +13,8 @@ import torch
 
 import fused_vision.vllm as fv
 
-from conftest import dtype_id
 from gemma4_towers import gemma4_config, randomize, vision_config
+from helpers import dtype_id
 from op_cases import grid_ids
 
 try:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from fused_vision.bench.cli import main
 
-from conftest import DEVICE
+from helpers import DEVICE
 
 
 def read_csv(path):

@@ -30,7 +30,7 @@ from fused_vision.bench.rows import COLUMNS, ENVIRONMENT_COLUMNS, LOW_MEMORY_COL
 from fused_vision.bench.workloads import GPU_CASES, position_ids, soft_token_grid
 
 from bench_cli import read_csv, reliable, run_cli
-from conftest import DEVICE, TIME_BOXED
+from helpers import DEVICE, TIME_BOXED
 
 REQUIRED_COLUMNS = (
     "op", "provider", "case", "B", "N", "D", "dtype", "ms_p50", "ms_p20", "ms_p80", "peak_bytes", "model_bytes",

@@ -13,7 +13,7 @@ from fused_vision.bench.cli import main
 from fused_vision.bench.measure import Budget, interleaved_times, time_call
 
 from bench_cli import read_csv, run_cli
-from conftest import DEVICE
+from helpers import DEVICE
 
 CPU = torch.device("cpu")
 

@@ -16,7 +16,7 @@ from fused_vision.bench.text import significant
 from fused_vision.bench.workloads import GPU_CASES, GPU_ENCODER_CASES, pixel_values, position_ids
 
 from bench_cli import read_csv, run_cli
-from conftest import DEVICE
+from helpers import DEVICE
 
 CPU = torch.device("cpu")
 MB = 10**6

@@ -12,7 +12,7 @@ from fused_vision.bench.cli import build_parser
 from fused_vision.bench.tower import build_tower, tower_shape
 
 from bench_cli import read_csv, reliable, run_cli
-from conftest import DEVICE
+from helpers import DEVICE
 
 EAGER = ("stock", "padded", "packed", "fused")
 CASES = ("image_7x280", "video_32x70")

@@ -17,7 +17,7 @@ from fused_vision.bench.layer_ops import (
 from fused_vision.bench.ops import Unsupported
 
 from bench_cli import read_csv, run_cli
-from conftest import DEVICE
+from helpers import DEVICE
 
 PROVIDERS = ("stock", "reference", "fused", "fused_kernel")
 

@@ -15,7 +15,7 @@ from fused_vision.bench.measure import Ceiling, Times
 from fused_vision.bench.text import format_pct, portable
 
 from bench_cli import run_cli
-from conftest import DEVICE
+from helpers import DEVICE
 
 ABSOLUTE_PATH = re.compile(r"(^|[\s'\"(\[=`])/[\w.+@-]+/")
 MB = 10**6

@@ -1,1 +1,1 @@
-"""A package, so that its conftest.py does not displace tests/conftest.py, which tests import as ``conftest``."""
+"""A package, so that its conftest.py does not displace tests/conftest.py: both would be the module ``conftest``."""

@@ -16,7 +16,7 @@ import torch
 import fused_vision
 from fused_vision import _dispatch
 
-from conftest import DEVICE
+from helpers import DEVICE
 
 SMOKE = os.environ.get("FUSED_VISION_GPU_TESTS_SMOKE") == "1"
 P = 10240  # the position table's rows per axis

@@ -9,7 +9,7 @@ import fused_vision
 from fused_vision import reference
 
 from .conftest import SIZES, P, image_ids
-from conftest import DEVICE, assert_bit_identical
+from helpers import DEVICE, assert_bit_identical
 
 pytestmark = pytest.mark.gpu
 

@@ -12,8 +12,8 @@ from fused_vision import apply_fused_vision_to_gemma4, encode_images
 from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
 
 from .conftest import SMOKE, image_ids, sync_debug_mode
-from conftest import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, dtype_id, relative_error
 from gemma4_towers import ACCURACY_FLOOR, alone, modeling, randomize
+from helpers import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, dtype_id, relative_error
 
 pytestmark = pytest.mark.gpu
 

@@ -12,7 +12,7 @@ import fused_vision
 from fused_vision import _dispatch
 
 from .conftest import SIZES, P, image_ids, sync_debug_mode
-from conftest import DEVICE, assert_bit_identical
+from helpers import DEVICE, assert_bit_identical
 
 pytestmark = pytest.mark.gpu
 

@@ -10,7 +10,7 @@ import fused_vision
 from fused_vision import reference
 
 from .conftest import SIZES, P, image_ids
-from conftest import (
+from helpers import (
     DEVICE,
     FLOAT_DTYPES,
     assert_as_accurate_as_stock,

@@ -12,7 +12,7 @@ import triton.language as tl
 
 from fused_vision.kernels.common import TORCH_TO_TL, round_to
 
-from conftest import DEVICE, assert_bit_identical, dtype_id
+from helpers import DEVICE, assert_bit_identical, dtype_id
 
 SPECIAL_BITS = [
     0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000, 0xFFC00000, 0x7F800001, 0x7FFF8000, 0x7FBFFFFF,  # NaNs

@@ -15,7 +15,7 @@ from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.ops.pool_by_positions import pool_by_positions_backward
 
-from conftest import DEVICE, assert_bit_identical, assert_close, dtype_id
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id
 from op_cases import assert_matches_stock, make_batch, make_ids, make_inputs
 
 pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the real configs run in every test")

@@ -8,8 +8,8 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
-from op_cases import assert_matches_stock, make_ids, make_inputs
+from helpers import DEVICE, FLOAT_DTYPES, assert_as_accurate_as_stock, assert_bit_identical, assert_close, dtype_id
+from op_cases import GRAD_DTYPES, assert_matches_stock, check_gradients, make_ids, make_inputs
 
 BACKENDS = ["triton", "reference"]
 
@@ -128,3 +128,63 @@ def test_bad_input(change, error, pattern, backend):
         warnings.simplefilter("error", RuntimeWarning)  # the fallback's warning, not a dependency's
         with pytest.raises(error, match=pattern):
             fused_vision.patch_embed(**args, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
+def test_patch_embed_backward(backend, dtype):
+    pixels, weight, table, ids = make_inputs(2, 29, 48, 40, 30, dtype, torch.float32, 5)
+    grad_out = torch.randn(2, 29, 40, device=DEVICE).to(dtype)
+
+    def fused(p, w, t):
+        return fused_vision.patch_embed(p, w, t, ids, backend=backend)
+
+    def stock(p, w, t):
+        return reference.patch_embed(p, w, t, ids)
+
+    check_gradients(fused, stock, [pixels, weight, table], grad_out, dtype, ["pixel_values", "weight", "table"])
+
+
+def test_patch_embed_skips_the_pixel_gradient_unless_asked():
+    pixels, weight, table, ids = make_inputs(2, 9, 48, 16, 30, torch.float32, torch.float32, 2)
+    weight.requires_grad_(True)
+    fused_vision.patch_embed(pixels, weight, table, ids).sum().backward()
+    assert pixels.grad is None and table.grad is None and weight.grad is not None
+
+
+@pytest.mark.parametrize("trainable", ["table", "weight", "pixel_values"])
+def test_patch_embed_keeps_only_what_the_requested_gradients_read(trainable):
+    """The pixels, as large as the output, are kept only for the weight's gradient; the weight only for
+    the pixels'."""
+    pixels, weight, table, ids = make_inputs(2, 9, 48, 16, 30, torch.bfloat16, torch.float32, 2)
+    inputs = {"pixel_values": pixels, "weight": weight, "table": table}
+    inputs[trainable].requires_grad_(True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fused_vision.patch_embed(pixels, weight, table, ids)
+    kept = {name for name, t in inputs.items() if any(s.data_ptr() == t.data_ptr() for s in saved)}
+    assert kept == {"weight": {"pixel_values"}, "pixel_values": {"weight"}, "table": set()}[trainable]
+    out.backward(torch.randn_like(out))
+    assert inputs[trainable].grad is not None
+
+
+def test_patch_embed_ignores_autocast_on_every_backend():
+    """The op projects in the weight's dtype: under autocast the reference must not recast its linear, or
+    the result would depend on the backend."""
+    pixels, weight, table, ids = make_inputs(2, 9, 48, 16, 20, torch.float32, torch.float32, 2)
+    with torch.autocast(DEVICE.type, dtype=torch.bfloat16):
+        outs = [fused_vision.patch_embed(pixels, weight, table, ids, backend=b) for b in ("triton", "reference")]
+    assert outs[0].dtype == outs[1].dtype == torch.float32
+    for backend, out in zip(("triton", "reference"), outs):
+        expected = fused_vision.patch_embed(pixels, weight, table, ids, backend=backend)
+        assert_bit_identical(out, expected, f"{backend} under autocast")
+
+
+def test_reference_passes_gradcheck():
+    """float64 gradcheck of the embedder formulation the fused backward formulas are compared with. (The
+    stock pooler computes in fp32 whatever its input, so it has no float64 form to check.)"""
+    ids = make_ids(2, 7, 5, padded_tail=2, half_padded=1)
+    table = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    pixels = torch.rand(2, 7, 4, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda p, w, t: reference.patch_embed(p, w, t, ids), (pixels, weight, table))

@@ -1,14 +1,17 @@
 """The pooler against stock's one-hot: same slots and mask, averages within one rounding, deterministic."""
 
+import warnings
+
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 
 import fused_vision
 from fused_vision import reference
 from fused_vision.kernels.common import int32_inner_offsets
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
-from op_cases import grid_ids, make_batch
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id, poison_empty
+from op_cases import grads, grid_ids, make_batch
 
 BACKENDS = ["triton", "reference"]
 # The average rounds to the hidden dtype before the fp32 scale: allow one unit in its last place.
@@ -232,3 +235,58 @@ def test_unchecked_positions_beyond_the_slots_turn_the_item_nan(monkeypatch, bac
     pooled, _ = fused_vision.pool_by_positions(hidden_states, ids, padding, 4, backend=backend)
     assert pooled[0].isnan().all()
     assert_close(pooled[1], expected[1], atol=1e-6 * 16**0.5, rtol=1e-6, what="the other item")
+
+
+@pytest.mark.parametrize("round_average", [True, False], ids=["rounded_average", "fp32_average"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize(
+    "k,output_length,strided_grad",
+    [(3, 12, False), (3, 12, True), (2, 30, False), (1, 108, False)],
+    ids=["k3", "k3_strided_grad", "k2", "no_pooling"],
+)
+def test_pool_by_positions_backward(poisoned, backend, dtype, k, output_length, strided_grad, round_average):
+    """Stock's one-hot matmul has one nonzero term per patch, so its gradient is a scaled, rounded copy
+    of the slot's: the fused one must equal it bit for bit, padding rows (one at a real position) 0, and
+    zeros (-0.0 upstream, or a tiny gradient that rounds to it) +0.0, as the matmul's sum makes them."""
+    hidden_states, ids, padding = make_batch([(12, 9), (6, 6)], k, output_length, 40, dtype, shuffle=True)
+    padding[0, (ids[0] >= 0).all(-1).nonzero()[0]] = True
+    grad_out = torch.randn(2, output_length, 40, device=DEVICE)
+    if strided_grad:
+        grad_out = torch.randn(output_length, 40, 2, device=DEVICE).permute(2, 0, 1)
+    grad_out[..., ::7] = -0.0
+    grad_out[..., 3::7] = -1e-9  # rounds to -0.0 in fp16
+
+    def fused(h):
+        return fused_vision.pool_by_positions(
+            h, ids, padding, output_length, round_average=round_average, backend=backend
+        )
+
+    def stock(h):
+        return reference.onehot_pool_by_positions(h, ids, padding, output_length, round_average)
+
+    _, (actual,) = grads(fused, [hidden_states], grad_out)
+    _, (expected,) = grads(stock, [hidden_states], grad_out)
+    assert_bit_identical(actual, expected, "grad of hidden_states")
+
+
+def test_forward_mode_ad_tangent_is_the_pooled_tangent():
+    """The pooler is linear: with the hidden states as their own tangent, the tangent is the output (J h = f(h))."""
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6)], 3, 4, 8, torch.float32)
+    with fwAD.dual_level(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        dual = fwAD.make_dual(hidden_states, hidden_states)
+        pooled, _ = fused_vision.pool_by_positions(dual, pool_ids, pool_padding, 4)
+        assert_bit_identical(fwAD.unpack_dual(pooled).tangent, fwAD.unpack_dual(pooled).primal)
+
+
+def test_outputs_are_contiguous_when_n_equals_l():
+    """N == L with transposed padding and hidden states: the mask, too, is contiguous."""
+    hidden_states = torch.randn(16, 2, 8, device=DEVICE).transpose(0, 1)
+    pool_ids = torch.stack([grid_ids(4, 4, 16)] * 2).to(DEVICE)
+    padding = torch.zeros(16, 2, dtype=torch.bool, device=DEVICE).t()
+    for backend in ("triton", "reference"):
+        pooled, mask = fused_vision.pool_by_positions(hidden_states, pool_ids, padding, 16, backend=backend)
+        assert pooled.is_contiguous() and mask.is_contiguous()
+        pool_op = torch.ops.fused_vision.pool_by_positions.default
+        torch.library.opcheck(pool_op, (hidden_states, pool_ids, padding, 16, True, backend))

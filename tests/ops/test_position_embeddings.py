@@ -1,15 +1,20 @@
 """The lookup against the one-hot definition: bit-identical for every backend, dtype and layout (and to
 transformers 5.10+'s F.embedding code where the two differ, at -0.0 sums)."""
 
+import warnings
+
 import pytest
 import torch
+import torch.autograd.forward_ad as fwAD
 import torch.nn.functional as F
 
 import fused_vision
+from fused_vision import reference
+from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
-from op_cases import make_ids
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from op_cases import GRAD_DTYPES, check_gradients, make_ids
 
 BACKENDS = ["triton", "reference"]
 
@@ -116,3 +121,61 @@ def test_repeated_runs_are_identical():
     ids = make_ids(2, 50, 90, padded_tail=5).to(DEVICE)
     first = fused_vision.position_embeddings(table, ids, backend="triton")
     assert_bit_identical(fused_vision.position_embeddings(table, ids, backend="triton"), first)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", GRAD_DTYPES, ids=dtype_id)
+def test_position_embeddings_backward(backend, dtype):
+    table = torch.randn(2, 23, 40, device=DEVICE).to(dtype)
+    residual = torch.randn(3, 31, 40, device=DEVICE).to(dtype)
+    ids = make_ids(3, 31, 23, padded_tail=5, half_padded=2).to(DEVICE)  # few ids: many rows share a table row
+    padding = reference.default_padding_positions(ids)
+    grad_out = torch.randn(3, 31, 40, device=DEVICE).to(dtype)
+
+    def fused(t, r):
+        return fused_vision.position_embeddings(t, ids, residual=r, backend=backend)
+
+    def stock(t, r):
+        return r + reference.onehot_position_embeddings(t, ids, padding)
+
+    out, expected_out = check_gradients(fused, stock, [table, residual], grad_out, dtype, ["table", "residual"])
+    assert_bit_identical(out, expected_out)
+
+
+def test_deterministic_algorithms_keep_the_table_gradient_off_the_atomics(monkeypatch):
+    """Under torch.use_deterministic_algorithms(True) the table gradient is the reference's deterministic
+    scatter, bit for bit, and the atomic kernel is never launched (two runs of the interpreter would
+    agree whatever ran, so the launch itself is what is checked)."""
+    table = torch.randn(2, 7, 64, device=DEVICE, requires_grad=True)  # 7 ids: heavy collisions
+    ids = make_ids(4, 50, 7).to(DEVICE)
+    grad_out = torch.randn(4, 50, 64, device=DEVICE)
+
+    def no_atomics(*args):
+        raise AssertionError("the atomic table-gradient kernel ran under deterministic algorithms")
+
+    monkeypatch.setattr(position_embeddings_kernels, "position_embeddings_backward", no_atomics)
+    torch.use_deterministic_algorithms(True)
+    try:
+        fused_vision.position_embeddings(table, ids, backend="triton").backward(grad_out)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    expected = reference.position_embeddings_backward(grad_out, ids, reference.default_padding_positions(ids), 7)
+    assert_bit_identical(table.grad, expected, "table gradient")
+
+
+def test_reference_passes_gradcheck():
+    """float64 gradcheck of the lookup formulation the fused backward formulas are compared with."""
+    ids = make_ids(2, 7, 5, padded_tail=2, half_padded=1)
+    table = torch.randn(2, 5, 3, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda t: reference.position_embeddings(t, ids), (table,))
+
+
+def test_forward_mode_ad_tangent_is_the_lookup_of_the_tangent():
+    """The lookup is linear: its tangent is the lookup of the table's tangent."""
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    tangent = torch.randn_like(table)
+    ids = make_ids(2, 11, 20, padded_tail=3).to(DEVICE)
+    with fwAD.dual_level(), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        out = fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids)
+        assert_bit_identical(fwAD.unpack_dual(out).tangent, reference.position_embeddings(tangent, ids))

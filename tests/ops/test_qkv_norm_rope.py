@@ -13,16 +13,10 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
-from op_cases import ULP, assert_within, exactly_summable
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from op_cases import EPS, ULP, assert_within, exactly_summable, inv_freq
 
 BACKENDS = ["triton", "reference"]
-EPS = 1e-6
-
-
-def inv_freq(head_dim, theta=100.0):
-    spatial = head_dim // 2
-    return (1.0 / theta ** (torch.arange(0, spatial, 2, dtype=torch.float) / spatial)).to(DEVICE)
 
 
 def make_case(tokens, heads, kv_heads, head_dim, dtype, values=None):
@@ -185,18 +179,16 @@ def test_backward_is_autograd_through_the_reference(backend):
         assert_bit_identical(a, e, f"grad of {name}")
 
 
-def test_opcheck_and_compile():
-    qkv, ids, q_weight, k_weight, freqs = make_case(7, 2, 1, 64, torch.float32)
-    clamps = torch.tensor([[-1.0, 1.0]] * 3, device=DEVICE)
-    qkv.requires_grad_(True)
-    op = torch.ops.fused_vision.qkv_norm_rope.default
-    torch.library.opcheck(op, (qkv, ids, q_weight, k_weight, freqs, 2, 1, EPS, clamps, "triton"))
-
-    def layer(qkv):
-        q, k, v = fused_vision.qkv_norm_rope(qkv, ids, q_weight, k_weight, freqs, 2, 1, backend="triton")
-        return q.sum() + 2 * k.sum() + 3 * v.sum()
-
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    (grad,) = torch.autograd.grad(compiled(qkv), qkv)
-    (expected,) = torch.autograd.grad(layer(qkv), qkv)
-    assert_bit_identical(grad, expected)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_in_the_weights_alone_fails(backend):
+    """Known failure: with qkv not requiring grad, v depends on no input that does, yet the recomputing
+    backward hands v's gradient to autograd, which refuses. Pinned until the backward drops it."""
+    qkv, ids, q_weight, k_weight, freqs = make_case(13, 2, 1, 64, torch.float32)
+    q_weight.requires_grad_(True)
+    k_weight.requires_grad_(True)
+    q, k, v = fused_vision.qkv_norm_rope(qkv, ids, q_weight, k_weight, freqs, 2, 1, backend=backend)
+    with pytest.raises(RuntimeError, match="element 2 of tensors does not require grad and does not have a grad_fn"):
+        (q.sum() + k.sum() + v.sum()).backward()
+    q, k, v = reference.qkv_norm_rope(qkv, ids, q_weight, k_weight, freqs, 2, 1, EPS)
+    (q.sum() + k.sum() + v.sum()).backward()  # stock autograd takes it
+    assert q_weight.grad is not None and k_weight.grad is not None

@@ -13,11 +13,10 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from conftest import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
-from op_cases import ULP, assert_within, exactly_summable, sum_order_error
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from op_cases import EPS, ULP, assert_within, exactly_summable, sum_order_error
 
 BACKENDS = ["triton", "reference"]
-EPS = 1e-6
 
 
 def make_case(shape, dtype):
@@ -127,21 +126,3 @@ def test_backward_is_autograd_through_the_reference(backend, last_layer):
     expected = torch.autograd.grad(outputs(reference.residual_rms_norm), inputs, grads)
     for name, a, e in zip(["x", "residual", "post_weight", "next_weight"], actual, expected):
         assert_bit_identical(a, e, f"grad of {name}")
-
-
-@pytest.mark.parametrize("last_layer", [False, True], ids=["next_norm", "last_layer"])
-def test_opcheck_and_compile(last_layer):
-    x, residual, post_weight, next_weight = make_case((2, 5, 32), torch.float32)
-    next_weight = None if last_layer else next_weight
-    x.requires_grad_(True)
-    op = torch.ops.fused_vision.residual_rms_norm.default
-    torch.library.opcheck(op, (x, residual, post_weight, next_weight, EPS, "triton"))
-
-    def layer(x):
-        h, y = fused_vision.residual_rms_norm(x, residual, post_weight, next_weight, backend="triton")
-        return h.sum() if y is None else h.sum() + (y * y).sum()
-
-    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
-    (grad,) = torch.autograd.grad(compiled(x), x)
-    (expected,) = torch.autograd.grad(layer(x), x)
-    assert_bit_identical(grad, expected)

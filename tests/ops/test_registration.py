@@ -1,0 +1,445 @@
+"""Every registered op under torch.library's checks and PyTorch's transforms: opcheck, torch.compile
+(fullgraph, dynamic shapes), tracers, vmap, torch.func, forward-mode AD, meta tensors, strides, lazily
+negated inputs and double backward, parametrized over one table of the ops."""
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+
+import fused_vision
+from fused_vision import _dispatch, reference
+
+from helpers import DEVICE, assert_bit_identical, assert_close, dtype_id
+from op_cases import (
+    CASES,
+    FORWARD_OPS,
+    FP32_TOLERANCE,
+    OPS,
+    differentiable_inputs,
+    grads,
+    make_batch,
+    make_ids,
+    make_inputs,
+    outputs,
+)
+
+# Beyond each op's defaults: (op, what differs, the change, backend, whether the differentiable inputs require grad).
+OPCHECK_VARIANTS = [
+    ("position_embeddings", "no_residual", dict(residual=None), "reference", True),
+    ("pool_by_positions", "bf16_fp32_average", dict(dtype=torch.bfloat16, round_average=False), "auto", True),
+    ("qkv_norm_rope", "unclipped", dict(clamps=None), "triton", True),
+    ("residual_rms_norm", "last_layer", dict(next_weight=None), "triton", True),
+    ("gelu_gate", "unclipped", dict(clamps=None), "triton", True),
+    ("position_embeddings_backward", "bf16", dict(dtype=torch.bfloat16), "auto", False),
+    ("pool_by_positions_backward", "bf16", dict(dtype=torch.bfloat16), "auto", False),
+    ("pool_by_positions_backward", "fp32_average", dict(round_average=False), "auto", True),
+]
+OPCHECK_SAMPLES = [
+    pytest.param(case.op, {}, backend, True, id=f"{case.op}-{backend}")
+    for case in OPS
+    for backend in ("auto", "triton")
+] + [
+    pytest.param(op, change, backend, grad, id=f"{op}-{what}-{backend}")
+    for op, what, change, backend, grad in OPCHECK_VARIANTS
+]
+# Each forward op with its defaults and its variants.
+FORWARD_SAMPLES = [pytest.param(case.op, {}, id=case.op) for case in FORWARD_OPS] + [
+    pytest.param(op, change, id=f"{op}-{what}")
+    for op, what, change, _, _ in OPCHECK_VARIANTS
+    if CASES[op].reference is not None
+]
+
+
+@pytest.mark.parametrize("op,change,backend,requires_grad", OPCHECK_SAMPLES)
+def test_opcheck(op, change, backend, requires_grad):
+    """torch.library's schema, fake, autograd registration and AOT dispatch checks; with gradients that
+    require grad, the backward ops' own backward (double backward) too."""
+    case = CASES[op]
+    change = dict(change)
+    dtype = change.pop("dtype", torch.float32)
+    inputs = differentiable_inputs(case, dtype=dtype) if requires_grad else case.inputs(dtype=dtype)
+    inputs.update(change)
+    torch.library.opcheck(getattr(torch.ops.fused_vision, op).default, case.op_args(inputs, backend))
+
+
+@pytest.mark.parametrize("op,change", FORWARD_SAMPLES)
+def test_compile_fullgraph_forward_and_backward(op, change):
+    """torch.compile(fullgraph=True) traces the op and its backward without a graph break: the loss and its
+    gradients are eager's, bit for bit."""
+    case, change = CASES[op], dict(change)
+    inputs = {**differentiable_inputs(case, dtype=change.pop("dtype", torch.float32)), **change}
+    leaves = [inputs[name] for name in case.differentiable if inputs[name] is not None]
+    names = [name for name in case.differentiable if inputs[name] is not None]
+    cotangents = [torch.randn_like(t) for t in case.call(inputs, "triton")]
+
+    def loss(*leaves):
+        outs = case.call({**inputs, **dict(zip(names, leaves))}, "triton")
+        return sum((out * c).sum() for out, c in zip(outs, cotangents))
+
+    torch.compiler.reset()  # each sample is its own graph, not a recompilation of the last test's
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    actual_loss, expected_loss = compiled(*leaves), loss(*leaves)
+    assert_bit_identical(actual_loss, expected_loss, "loss")
+    actual, expected = torch.autograd.grad(actual_loss, leaves), torch.autograd.grad(expected_loss, leaves)
+    for name, a, e in zip(names, actual, expected, strict=True):
+        assert_bit_identical(a, e, f"compiled grad of {name}")
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_compile_fullgraph_stem(backend):
+    """The stem as a model chains it (embedder, lookup on its output, pooler), under both compilers."""
+    pixels, weight, table, ids = make_inputs(2, 36, 48, 24, 20, torch.float32, torch.float32, 9)
+    weight.requires_grad_(True)
+    table.requires_grad_(True)
+    pool_ids = torch.stack(
+        [torch.stack(torch.meshgrid(torch.arange(6), torch.arange(6), indexing="xy"), -1).flatten(0, 1)] * 2
+    )
+    pool_ids[:, 27:] = -1
+
+    def stem(pixel_values, weight, table):
+        padding = reference.default_padding_positions(pool_ids)
+        embedded = fused_vision.patch_embed(pixel_values, weight, table, pool_ids, padding)
+        embedded = fused_vision.position_embeddings(table, pool_ids, padding, residual=embedded)
+        pooled, mask = fused_vision.pool_by_positions(embedded, pool_ids, padding, 4)
+        return pooled.sum()
+
+    compiled = torch.compile(stem, fullgraph=True, backend=backend)
+    loss = compiled(pixels, weight, table)
+    loss.backward()
+    compiled_grads = [weight.grad.clone(), table.grad.clone()]
+    weight.grad = table.grad = None
+    eager_loss = stem(pixels, weight, table)
+    eager_loss.backward()
+    assert_close(loss, eager_loss, atol=1e-4, rtol=1e-5)
+    for name, c, e in zip(["weight", "table"], compiled_grads, [weight.grad, table.grad]):
+        assert_close(c, e, atol=1e-4, rtol=1e-5, what=f"compiled grad of {name}")
+
+
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_compile_dynamic_shapes(case):
+    """With dynamic shapes the sequence length is symbolic: the op traces without a graph break, and a
+    second length runs through the same graph."""
+    torch.compiler.reset()  # the two lengths in one graph, not the last test's
+    compiled = torch.compile(lambda inputs: case.call(inputs, "auto"), fullgraph=True, dynamic=True)
+    for scale, stance in ((1, "default"), (2, "fail_on_recompile")):
+        inputs = case.inputs(scale)
+        with torch.compiler.set_stance(stance):
+            actual = compiled(inputs)
+        for a, e in zip(actual, outputs(case.reference(**inputs)), strict=True):
+            assert_close(a, e, atol=1e-5, rtol=1e-5, what=f"scale {scale}")
+
+
+@pytest.mark.parametrize("tracing_mode", ["real", "fake"])
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_tracers_see_the_ops(case, tracing_mode):
+    """Under a tracer (a dispatch mode; FakeTensors in fake mode) eager inference calls take the registered
+    op, not the shortcut past the dispatcher, so the trace records them; the Triton path stays enabled."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    inputs = case.inputs()
+    tensors = {k: v for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+
+    def traced(*values):
+        return case.call({**inputs, **dict(zip(tensors, values))}, "auto")
+
+    with torch.no_grad():
+        graph = make_fx(traced, tracing_mode=tracing_mode)(*tensors.values())
+    assert f"fused_vision.{case.op}" in str(graph.code)
+    assert not _dispatch._failed
+
+
+# The inputs vmap batches, together: ids with their padding mask.
+VMAPPED = [
+    ("position_embeddings", ("table",)),
+    ("position_embeddings", ("position_ids", "padding_positions")),
+    ("patch_embed", ("pixel_values",)),
+    ("patch_embed", ("position_ids", "padding_positions")),
+    ("pool_by_positions", ("hidden_states",)),
+    ("pool_by_positions", ("position_ids", "padding_positions")),
+    ("qkv_norm_rope", ("qkv",)),
+    ("qkv_norm_rope", ("position_ids",)),
+    ("residual_rms_norm", ("x", "residual")),
+    ("gelu_gate", ("gate_up",)),
+]
+
+
+@pytest.mark.filterwarnings("ignore:There is a performance drop")
+@pytest.mark.parametrize("op,batched", VMAPPED, ids=[f"{op}-over_{names[0]}" for op, names in VMAPPED])
+def test_vmap_takes_the_op_and_leaves_the_kernels_enabled(op, batched):
+    """vmap's batched tensors, float or index, cannot reach a kernel: the call takes the registered op
+    (PyTorch's per-item fallback), gives each item's eager result, and no kernel failure is recorded."""
+    case = CASES[op]
+    inputs, items = case.inputs(), [case.inputs() for _ in range(3)]
+
+    def call(*values):
+        return case.call({**inputs, **dict(zip(batched, values))}, "auto")
+
+    stacked = [torch.stack([item[name] for item in items]) for name in batched]
+    with torch.no_grad():
+        actual = torch.func.vmap(call)(*stacked)
+        expected = [torch.stack(outs) for outs in zip(*(call(*(item[name] for name in batched)) for item in items))]
+    for a, e in zip(actual, expected, strict=True):
+        assert_bit_identical(a, e)
+    assert not _dispatch._failed
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_forward_mode_ad_carries_tangents(case, backend):
+    """The kernels and the registered ops carry no tangent: forward-mode AD runs the reference (warned
+    once under "auto"), whose tangents these are bit for bit, and backend="triton" refuses rather than
+    drop the tangent."""
+    inputs = case.inputs()
+    tangents = {name: torch.randn_like(inputs[name]) for name in case.differentiable}
+    _dispatch._WARNED.clear()
+    warned = pytest.warns(RuntimeWarning, match="forward-mode AD runs the PyTorch reference")
+    with fwAD.dual_level():
+        duals = {**inputs, **{name: fwAD.make_dual(inputs[name], t) for name, t in tangents.items()}}
+        with warned if backend == "auto" else contextlib.nullcontext():
+            actual = case.call(duals, backend)
+        expected = outputs(case.reference(**duals))
+        for a, e in zip(actual, expected, strict=True):
+            assert_bit_identical(fwAD.unpack_dual(a).tangent, fwAD.unpack_dual(e).tangent, "tangent")
+        with pytest.raises(RuntimeError, match=rf"backend='triton': fused_vision.{case.op} has no forward-mode AD"):
+            case.call(duals, "triton")
+
+
+def _flat(outs):
+    return torch.cat([out.flatten() for out in outs])
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_torch_func_transforms_run_the_reference(case, backend):
+    """The registered ops' autograd has no torch.func support (pytorch/pytorch#168393): under grad,
+    jacrev and jvp the ops run the reference (warned once under "auto"): torch.func.grad in the first
+    differentiable input equals the gradient autograd takes through the op's registered backward, and
+    the Jacobian agrees with both grad and jvp; backend="triton" refuses."""
+    inputs = case.inputs()
+    name = case.differentiable[0]
+    x = inputs[name]
+
+    def op(a, backend):
+        return _flat(case.call({**inputs, name: a}, backend))
+
+    cotangent = torch.randn_like(op(x, backend))
+    _dispatch._WARNED.clear()
+    warned = pytest.warns(RuntimeWarning, match=f"{case.op}: torch.func transforms run the PyTorch reference")
+    with warned if backend == "auto" else contextlib.nullcontext():
+        grad = torch.func.grad(lambda a: (op(a, backend) * cotangent).sum())(x)
+    leaf = x.detach().clone().requires_grad_(True)
+    (expected,) = torch.autograd.grad(op(leaf, backend), leaf, cotangent)
+    assert_close(grad, expected, rtol=1e-6, atol=1e-6, what=f"{case.op}: torch.func.grad")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        jacobian = torch.func.jacrev(lambda a: op(a, backend))(x)
+        _, tangent_out = torch.func.jvp(lambda a: op(a, backend), (x,), (x.new_ones(()).expand_as(x),))
+    jacobian = jacobian.reshape(cotangent.numel(), x.numel())
+    assert_close(jacobian.T @ cotangent, grad.flatten(), rtol=1e-5, atol=1e-5, what=f"{case.op}: jacrev")
+    assert_close(jacobian.sum(1), tangent_out, rtol=1e-5, atol=1e-5, what=f"{case.op}: jvp")
+    with pytest.raises(RuntimeError, match=f"backend='triton': fused_vision.{case.op} has no torch.func support"):
+        torch.func.grad(lambda a: op(a, "triton").sum())(x)
+
+
+def _per_sample_cases():
+    """Each op as a model calls it on one item (a batch of 1), times a cotangent and summed: the loss, its
+    batched arguments, vmap's in_dims (None: shared) and the arguments it is differentiated in (shared
+    parameters; the pooler and the MLP activation have none, so their item's input). Items are padded
+    differently, and an id that is bad in one item (None: the op reads no id's value)."""
+    ids = torch.cat([make_ids(1, 11, 20, padded_tail=tail, half_padded=1) for tail in (0, 2, 5)]).to(DEVICE)
+    pixels, weight, table, _ = make_inputs(3, 11, 12, 8, 20, torch.float32, torch.float32, 0)
+    hidden_states, pool_ids, pool_padding = make_batch([(6, 6), (3, 6), (6, 3)], 3, 4, 8, torch.float32)
+    bad_ids, bad_pool_ids = ids.clone(), pool_ids.clone()
+    bad_ids[1, 0, 0] = 20  # = P
+    bad_pool_ids[1, 0, 1] = 30  # a 3x3 block row past the 4 slots
+
+    def lookup(table, ids, cotangent, backend):
+        return (fused_vision.position_embeddings(table, ids[None], backend=backend) * cotangent).sum()
+
+    def embed(weight, table, pixels, ids, cotangent, backend):
+        return (fused_vision.patch_embed(pixels[None], weight, table, ids[None], backend=backend) * cotangent).sum()
+
+    def pool(hidden_states, ids, padding, cotangent, backend):
+        pooled, _ = fused_vision.pool_by_positions(hidden_states[None], ids[None], padding[None], 4, backend=backend)
+        return (pooled * cotangent).sum()
+
+    layers = {op: [CASES[op].inputs() for _ in range(3)] for op in ("qkv_norm_rope", "residual_rms_norm", "gelu_gate")}
+    qkv, norm, gelu = ({k: v if k not in stacked else torch.stack([i[k] for i in items]) for k, v in items[0].items()}
+                       for items, stacked in [(layers["qkv_norm_rope"], ("qkv", "position_ids")),
+                                              (layers["residual_rms_norm"], ("x", "residual")),
+                                              (layers["gelu_gate"], ("gate_up",))])  # fmt: skip
+
+    def attend(q_weight, k_weight, inv_freq, qkv_item, ids, cotangent, backend):
+        outs = fused_vision.qkv_norm_rope(qkv_item, ids, q_weight, k_weight, inv_freq, 2, 1, clamps=qkv["clamps"],
+                                          backend=backend)  # fmt: skip
+        return (torch.cat([out.flatten() for out in outs]) * cotangent).sum()
+
+    def add_and_norm(post_weight, next_weight, x, residual, cotangent, backend):
+        h, y = fused_vision.residual_rms_norm(x[None], residual[None], post_weight, next_weight, backend=backend)
+        return (torch.cat([h, y]) * cotangent).sum()
+
+    def activate(gate_up, cotangent, backend):
+        return (fused_vision.gelu_gate(gate_up[None], gelu["clamps"], backend=backend) * cotangent).sum()
+
+    cotangent, pool_cotangent = torch.randn(3, 11, 8, device=DEVICE), torch.randn(3, 4, 8, device=DEVICE)
+    qkv_args = (qkv["q_weight"], qkv["k_weight"], qkv["inv_freq"], qkv["qkv"], qkv["position_ids"])
+    norm_args = (norm["post_weight"], norm["next_weight"], norm["x"], norm["residual"])
+    return {
+        "position_embeddings": (lookup, (table, ids, cotangent), (None, 0, 0), (0,), (1, bad_ids)),
+        "patch_embed": (embed, (weight, table, pixels, ids, cotangent), (None, None, 0, 0, 0), (0, 1), (3, bad_ids)),
+        "pool_by_positions": (
+            pool,
+            (hidden_states, pool_ids, pool_padding, pool_cotangent),
+            (0, 0, 0, 0),
+            (0,),
+            (1, bad_pool_ids),
+        ),
+        "qkv_norm_rope": (attend, (*qkv_args, torch.randn(3, qkv["qkv"][0].numel(), device=DEVICE)),
+                          (None, None, None, 0, 0, 0), (0, 1, 2, 3), None),
+        "residual_rms_norm": (add_and_norm, (*norm_args, torch.randn(3, 2, 5, 16, device=DEVICE)),
+                              (None, None, 0, 0, 0), (0, 1), None),
+        "gelu_gate": (activate, (gelu["gate_up"], torch.randn(3, 1, 6, 16, device=DEVICE)), (0, 0), (0,), None),
+    }  # fmt: skip
+
+
+def _item_grads(loss, args, in_dims, argnums, item, backend):
+    """Autograd through the op (its fused backward) on item ``item`` alone."""
+    args = [a[item] if dim == 0 else a for a, dim in zip(args, in_dims)]
+
+    def with_leaves(*leaves):
+        return loss(*[leaves[argnums.index(i)] if i in argnums else a for i, a in enumerate(args)], backend)
+
+    return grads(with_leaves, [args[i] for i in argnums], torch.ones(()))[1]
+
+
+@pytest.mark.filterwarnings("ignore:fused_vision.*torch.func transforms run the PyTorch reference")
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+@pytest.mark.parametrize("op", [case.op for case in FORWARD_OPS])
+def test_per_sample_gradients(op, backend):
+    """vmap(grad(...)), the per-sample gradients of DP-SGD training, equals autograd through the fused
+    backward item by item, and grad(vmap(...)) their sum; the id checks still read every mapped item."""
+    loss, args, in_dims, argnums, bad = _per_sample_cases()[op]
+    per_sample_grads = torch.func.vmap(torch.func.grad(loss, argnums), in_dims=(*in_dims, None))
+    per_sample = per_sample_grads(*args, backend)
+    for item in range(3):
+        expected = _item_grads(loss, args, in_dims, argnums, item, backend)
+        for i, actual, wanted in zip(argnums, per_sample, expected):
+            assert_close(actual[item], wanted, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, what=f"item {item}, arg {i}")
+
+    def batch_loss(*batched):
+        return torch.func.vmap(loss, in_dims=(*in_dims, None))(*batched, backend).sum()
+
+    summed = torch.func.grad(batch_loss, argnums)(*args)
+    for i, actual, items in zip(argnums, summed, per_sample):
+        wanted = items.sum(0) if in_dims[i] is None else items
+        assert_close(actual, wanted, rtol=FP32_TOLERANCE, atol=FP32_TOLERANCE, what=f"grad(vmap), arg {i}")
+    if bad is not None:
+        bad_arg, bad_ids = bad
+        bad_args = [bad_ids if i == bad_arg else a for i, a in enumerate(args)]
+        with pytest.raises(ValueError, match="position_ids: "):
+            per_sample_grads(*bad_args, backend)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("case", OPS, ids=str)
+def test_meta_tensors_get_the_shapes_and_dtypes_of_real_ones(case, dtype):
+    """Meta tensors (shape inference, e.g. a model built on the meta device) take the registered op,
+    whose fake gives what the real call returns; no id check or kernel reads their missing data."""
+    inputs = case.inputs(dtype=dtype)
+    real = case.public(**inputs, backend="auto")
+    real = real if isinstance(real, tuple) else (real,)
+    meta_inputs = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    meta = case.public(**meta_inputs, backend="auto")
+    meta = meta if isinstance(meta, tuple) else (meta,)
+    for r, m in zip(real, meta, strict=True):
+        assert (r is None) == (m is None)
+        assert r is None or m.is_meta and (m.shape, m.dtype) == (r.shape, r.dtype)
+    assert not _dispatch._failed
+
+
+def strided(t):
+    """``t``'s values in transposed memory (its last two dimensions swapped), or ``t`` below 2 dimensions."""
+    return t.mT.contiguous().mT if isinstance(t, torch.Tensor) and t.dim() >= 2 else t
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_outputs_are_contiguous_whatever_the_inputs_strides(case, backend):
+    """As the ops' fakes say: every input of two or more dimensions but the clamps (see below) transposed in
+    memory gives contiguous outputs, and the registered op passes opcheck on them. The kernels read through
+    the strides: their outputs are the contiguous inputs' bit for bit (torch's own reductions, the
+    reference's, sum in the order the strides give)."""
+    inputs = case.inputs()
+    transposed = {name: value if name == "clamps" else strided(value) for name, value in inputs.items()}
+    with torch.no_grad():
+        expected, actual = case.call(inputs, backend), case.call(transposed, backend)
+    for a, e in zip(actual, expected, strict=True):
+        assert a.is_contiguous()
+        if backend == "triton":
+            assert_bit_identical(a, e)
+    torch.library.opcheck(getattr(torch.ops.fused_vision, case.op).default, case.op_args(transposed, backend))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="the kernels read clamps as contiguous (3, 2)")
+@pytest.mark.parametrize("op", ["qkv_norm_rope", "gelu_gate"])
+def test_clamps_in_transposed_memory(op):
+    """Known wrong: (3, 2) clamps in transposed memory pass validation, but the Triton kernels index them
+    as contiguous, so their outputs are not the contiguous clamps' (the reference's are)."""
+    case = CASES[op]
+    inputs = case.inputs()
+    with torch.no_grad():
+        expected = case.call(inputs, "triton")
+        actual = case.call({**inputs, "clamps": strided(inputs["clamps"])}, "triton")
+    for a, e in zip(actual, expected, strict=True):
+        assert_bit_identical(a, e, what=f"{op} with clamps in transposed memory")
+
+
+def negated_view(t: torch.Tensor) -> torch.Tensor:
+    """A tensor equal to ``t`` whose memory holds ``-t``: the imaginary part of a conjugate (is_neg())."""
+    return torch.complex(torch.zeros_like(t), -t).conj().imag
+
+
+NEGATED = [(case.op, name) for case in FORWARD_OPS for name in case.differentiable]
+NEGATED += [("qkv_norm_rope", "clamps"), ("gelu_gate", "clamps")]
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("op,argument", NEGATED, ids=[f"{op}-{name}" for op, name in NEGATED])
+def test_lazily_negated_inputs(op, argument, backend):
+    """x.conj().imag is a view whose memory holds -x: a kernel reading it raw would flip the sign. Such
+    inputs take the registered op, whose dispatcher resolves the negation first."""
+    case = CASES[op]
+    inputs = case.inputs()
+    negated = negated_view(inputs[argument])
+    assert negated.is_neg() and torch.equal(negated, inputs[argument])
+    with torch.no_grad():
+        expected = case.call(inputs, backend)
+        actual = case.call({**inputs, argument: negated}, backend)
+    for a, e in zip(actual, expected, strict=True):
+        assert_bit_identical(a, e, what=f"{op} with a negated {argument}")
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_double_backward_matches_autograd_through_the_reference(case, backend):
+    """create_graph=True, then differentiate the gradients in the output gradients: the backward's own
+    backward (for the lookup and the pooler, their backward ops') against autograd through the reference."""
+    inputs = differentiable_inputs(case)
+    leaves = [inputs[name] for name in case.differentiable]
+    upstream = [torch.randn_like(out).requires_grad_(True) for out in outputs(case.reference(**inputs))]
+    probes = [torch.randn_like(leaf) for leaf in leaves]
+
+    def grad_of_grad(forward):
+        grads = torch.autograd.grad(forward(inputs), leaves, upstream, create_graph=True, allow_unused=True)
+        loss = sum((g * p).sum() for g, p in zip(grads, probes) if g is not None)
+        return torch.autograd.grad(loss, upstream, allow_unused=True)
+
+    actual = grad_of_grad(lambda i: case.call(i, backend))
+    expected = grad_of_grad(lambda i: outputs(case.reference(**i)))
+    for a, e in zip(actual, expected, strict=True):
+        assert (a is None) == (e is None)
+        if a is not None:
+            assert_close(a, e, atol=1e-5, rtol=1e-5, what=f"{case.op}: grad of grad")
