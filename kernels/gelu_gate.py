@@ -73,7 +73,7 @@ def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None) -> torch.Tenso
     grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(intermediate, block_i))
     _gelu_gate_kernel[grid](
         rows,
-        out if clamps is None else clamps,  # a pointer HAS_CLAMPS keeps from being read
+        out if clamps is None else clamps.contiguous(),  # read as (3, 2) rows; HAS_CLAMPS=False: never read
         out,
         num_rows,
         intermediate,

@@ -158,7 +158,7 @@ def qkv_norm_rope(
         q_weight,
         k_weight,
         inv_freq,
-        q if clamps is None else clamps,  # a pointer HAS_CLAMPS keeps from being read
+        q if clamps is None else clamps.contiguous(),  # read as (3, 2) rows; HAS_CLAMPS=False: never read
         q,
         k,
         v,

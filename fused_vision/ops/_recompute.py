@@ -18,7 +18,9 @@ def reference_grads(reference_fn, ctx, inputs: tuple, grad_outputs: tuple) -> tu
             t if t is None or create_graph and t.requires_grad else t.detach().requires_grad_(want)
             for t, want in zip(inputs, wanted)
         ]
-        pairs = [(o, g) for o, g in zip(reference_fn(*leaves), grad_outputs) if o is not None and g is not None]
+        # An output that depends on no input wanted here (v, for gradients in the norm weights alone) adds none.
+        outputs = zip(reference_fn(*leaves), grad_outputs)
+        pairs = [(o, g) for o, g in outputs if o is not None and g is not None and o.requires_grad]
         found = torch.autograd.grad(
             [o for o, _ in pairs],
             [t for t, want in zip(leaves, wanted) if want],
