@@ -1,7 +1,10 @@
 """pytest's setup for the tests: the kernels run under TRITON_INTERPRET=1 on CPU machines (set before
 fused_vision is imported); shared fixtures. Helpers live in helpers.py."""
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
@@ -15,6 +18,12 @@ else:
     # torch's default lets cuBLAS round split-K partial sums to bf16/fp16, one more rounding per split.
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+
+# torch.compile's graphs in a cache of this run's own: a graph another version of the ops left on disk
+# (a backward op of another name, say) must not stand in for the one under test.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fused_vision_tests_inductor_")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 
 @pytest.fixture

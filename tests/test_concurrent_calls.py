@@ -117,7 +117,7 @@ def test_vllms_guard_keeps_each_threads_cap_to_itself():
     model = VllmModel(tower_of("31b_like"))
     methods = {name: method for name, method in fv._methods(VllmModel).items() if name in vars(VllmModel)}
     assert set(methods) == {"_encoder_chunk", "_process_image_input"}
-    patching.patch("test", None, [patching.Target(VllmModel, methods, fv._STATE)], "")
+    patching.patch("test", None, [patching.Target(VllmModel, methods, fv._PLANNER_STATE)], "")
     try:
         images = [torch.zeros(SEQ_LEN, 12)] * 20
         calls = [
