@@ -29,3 +29,13 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 @pytest.fixture
 def poisoned(monkeypatch):
     poison_empty(monkeypatch)
+
+
+@pytest.fixture
+def fused_layers(monkeypatch):
+    """The calls of the fused layer, one entry each: how many layers ran fused."""
+    from fused_vision.encoder import fused_layer
+
+    calls, layer = [], fused_layer._fused_layer
+    monkeypatch.setattr(fused_layer, "_fused_layer", lambda *args, **kwargs: calls.append(1) or layer(*args, **kwargs))
+    return calls

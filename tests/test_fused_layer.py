@@ -11,7 +11,6 @@ import pytest
 import torch
 from torch import nn
 
-import fused_vision.fused_layer as fl
 import fused_vision.kernels.gelu_gate
 import fused_vision.kernels.qkv_norm_rope
 import fused_vision.kernels.residual_rms_norm
@@ -227,14 +226,6 @@ def test_gradients_through_the_fused_tower_match_stock(kind):
     tower = fused(copy.deepcopy(stock_tower))
     pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
     assert_gradients_match_stock(stock_tower, tower, pixels, ids)
-
-
-@pytest.fixture
-def fused_layers(monkeypatch):
-    """How many layers ran fused."""
-    calls, layer = [], fl._fused_layer
-    monkeypatch.setattr(fl, "_fused_layer", lambda *args, **kwargs: calls.append(1) or layer(*args, **kwargs))
-    return calls
 
 
 @pytest.mark.parametrize("kind", KINDS)

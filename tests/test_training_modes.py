@@ -14,7 +14,6 @@ import copy
 import pytest
 import torch
 
-import fused_vision.fused_layer as fl
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 
 from gemma4_towers import (
@@ -47,14 +46,6 @@ FUSED_CALLS = {
 
 
 stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4, fresh_warnings=True)
-
-
-@pytest.fixture
-def fused_layers(monkeypatch):
-    """How many times a fused layer ran."""
-    calls, layer = [], fl._fused_layer
-    monkeypatch.setattr(fl, "_fused_layer", lambda *args, **kwargs: calls.append(1) or layer(*args, **kwargs))
-    return calls
 
 
 def patched(tower, encoder):
