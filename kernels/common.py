@@ -1,6 +1,9 @@
 """Helpers shared by the kernels: dtype mapping, interpreter detection, launch configs, autotuning per
 operand dtype, rounding to the storage dtype (identical on GPUs and under TRITON_INTERPRET=1)."""
 
+import functools
+import threading
+
 import torch
 import triton
 import triton.language as tl
@@ -14,6 +17,24 @@ def interpreting() -> bool:
     """Whether kernels run in Triton's CPU interpreter (which has no bf16 dot and truncating casts):
     TRITON_INTERPRET as Triton reads it (1, true, on or yes, in any case)."""
     return triton.knobs.runtime.interpret
+
+
+# Triton's interpreter keeps global state while it runs a kernel: two threads inside it at once crash it.
+_INTERPRETER_LOCK = threading.RLock()  # re-entrant: a launcher may call another (the pooler's slot pass)
+
+
+def launcher(fn):
+    """``fn``, a kernel launcher, serialised by one lock while kernels run in Triton's interpreter; on a GPU,
+    where launches are thread-safe, called as it is, with no lock."""
+
+    @functools.wraps(fn)
+    def serialised(*args, **kwargs):
+        if not interpreting():
+            return fn(*args, **kwargs)
+        with _INTERPRETER_LOCK:
+            return fn(*args, **kwargs)
+
+    return serialised
 
 
 def int32_inner_offsets(tensor: torch.Tensor) -> torch.Tensor:

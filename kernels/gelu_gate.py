@@ -7,7 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, as_rows, clamp, clamp_bounds, gather_launch_config, interpreting, round_to
+from .common import TORCH_TO_TL, as_rows, clamp, clamp_bounds, gather_launch_config, interpreting, launcher, round_to
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # torch's kBeta: M_SQRT2 * M_2_SQRTPI * 0.5
 KAPPA = tl.constexpr(0.044715)
@@ -61,6 +61,7 @@ def _gelu_gate_kernel(
     tl.store(out_ptr + rows[:, None] * intermediate + cols[None, :], out, mask=tile_in)
 
 
+@launcher
 def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None) -> torch.Tensor:
     """Launch on already-validated inputs; returns a new contiguous (..., I) tensor."""
     intermediate = gate_up.shape[-1] // 2

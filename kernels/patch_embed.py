@@ -22,7 +22,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import ASYNC_MMA, TORCH_TO_TL, autotune_per_dtype, configs, int32_inner_offsets, interpreting, round_to
+from .common import (
+    ASYNC_MMA,
+    TORCH_TO_TL,
+    autotune_per_dtype,
+    configs,
+    int32_inner_offsets,
+    interpreting,
+    launcher,
+    round_to,
+)
 from .position_embeddings import load_positions, position_embeddings_tile
 
 
@@ -159,6 +168,7 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
 )
 
 
+@launcher
 def patch_embed(
     pixel_values: torch.Tensor,
     weight: torch.Tensor,

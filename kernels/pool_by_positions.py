@@ -35,6 +35,7 @@ from .common import (
     gather_launch_config,
     int32_inner_offsets,
     interpreting,
+    launcher,
     round_to,
 )
 
@@ -249,6 +250,7 @@ _pool_by_positions_tuned, gpu_configs = autotune_per_dtype(
 )
 
 
+@launcher
 def patch_slots(
     position_ids: torch.Tensor, padding_positions: torch.Tensor, output_length: int, k: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -287,6 +289,7 @@ def patch_slots(
     return codes, bounds, mask, overflow
 
 
+@launcher
 def pool_by_positions(
     hidden_states: torch.Tensor,
     position_ids: torch.Tensor,
@@ -338,6 +341,7 @@ def pool_by_positions(
     return pooled, mask, overflow
 
 
+@launcher
 def pool_by_positions_backward(
     grad_pooled: torch.Tensor,
     position_ids: torch.Tensor,

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, gather_launch_config, int32_inner_offsets, interpreting, round_to
+from .common import TORCH_TO_TL, gather_launch_config, int32_inner_offsets, interpreting, launcher, round_to
 
 
 @triton.jit
@@ -156,6 +156,7 @@ def _position_embeddings_kernel(
     tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], round_to(pe, OUT_DTYPE), mask=tile_in)
 
 
+@launcher
 def position_embeddings(
     table: torch.Tensor,
     position_ids: torch.Tensor,
@@ -250,6 +251,7 @@ def _position_embeddings_backward_kernel(
     tl.atomic_add(y_rows, grad, mask=scatter, sem="relaxed")
 
 
+@launcher
 def position_embeddings_backward(
     grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
 ) -> torch.Tensor:

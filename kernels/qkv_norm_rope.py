@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, clamp, clamp_bounds, interpreting, rms_inverse, round_to
+from .common import TORCH_TO_TL, clamp, clamp_bounds, interpreting, launcher, rms_inverse, round_to
 
 
 @triton.jit
@@ -130,6 +130,7 @@ def launch_config(quarter: int, interpreted: bool) -> tuple[int, int, int]:
     return max(1, 256 // block_f), block_f, 8
 
 
+@launcher
 def qkv_norm_rope(
     qkv: torch.Tensor,
     position_ids: torch.Tensor,

@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, as_rows, interpreting, rms_inverse, round_to
+from .common import TORCH_TO_TL, as_rows, interpreting, launcher, rms_inverse, round_to
 
 
 @triton.jit
@@ -67,6 +67,7 @@ def launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]:
     return max(1, 4096 // block_d), block_d, 8 if block_d >= 1024 else 4
 
 
+@launcher
 def residual_rms_norm(
     x: torch.Tensor,
     residual: torch.Tensor,

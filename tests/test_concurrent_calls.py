@@ -1,11 +1,13 @@
-"""Calls that share patched modules: two threads at once, and a layer run again after its call returned.
+"""Calls that share patched modules or kernels: threads at once, and a layer run again after its call returned.
 
 The packed encoder hands each layer its packing with the call, and vLLM's guard keeps its cap to its own
 thread, so a second thread's forward (packed or stock) through the same modules, or a replay of a layer (a
-forward hook's, gradient checkpointing's), computes what a single-threaded first run computes.
+forward hook's, gradient checkpointing's), computes what a single-threaded first run computes. The kernels'
+launchers take turns inside Triton's interpreter, whose global state two threads would corrupt.
 """
 
 import sys
+import threading
 
 import pytest
 import torch
@@ -15,7 +17,8 @@ import fused_vision.vllm as fv
 from fused_vision import apply_fused_vision_to_gemma4, attention, encode_images, patching, revert_fused_vision_gemma4
 
 from gemma4_towers import FP32_CLOSE, GRIDS, SEQ_LEN, make_inputs, run_tower, tower_of
-from helpers import DEVICE, assert_bit_identical, assert_close, reverting_to_stock, run_together
+from helpers import DEVICE, MEETING_TIMEOUT_S, assert_bit_identical, assert_close, reverting_to_stock, run_together
+from op_cases import FORWARD_OPS, outputs
 
 stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4, before=True)
 
@@ -28,13 +31,45 @@ def stock_padded(tower, pixels, ids):
     return lambda: torch.cat(encode_images(tower, pixels, ids, packed=False))
 
 
+@pytest.mark.parametrize("case", FORWARD_OPS, ids=str)
+def test_threads_calling_one_kernel_at_once_each_get_their_own_result(case):
+    """Four threads call one op's kernel on inputs of their own, released together, five times each: every
+    result is the one that call gives alone, bit for bit (under the interpreter they take turns; on a GPU
+    the compiled launches run as they come)."""
+    inputs = [case.inputs(scale=1 + index % 2) for index in range(4)]
+    alone = [outputs(case.public(**arguments, backend="triton")) for arguments in inputs]
+    start = threading.Barrier(len(inputs), timeout=MEETING_TIMEOUT_S)
+    results, errors = [[] for _ in inputs], []
+
+    def run(index):
+        try:
+            start.wait()
+            for _ in range(5):
+                results[index].append(outputs(case.public(**inputs[index], backend="triton")))
+        except BaseException as exc:  # handed to the test's thread
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=run, args=(index,)) for index in range(len(inputs))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    if errors:
+        raise errors[0]
+    for index, (got, expected) in enumerate(zip(results, alone, strict=True)):
+        for call in got:
+            for a, e in zip(call, expected, strict=True):
+                assert_bit_identical(a, e, f"thread {index}")
+
+
 @pytest.mark.parametrize("second", ["stock", "packed"])
 @pytest.mark.parametrize("encoder", ["packed", "fused"])
 def test_two_threads_through_one_patched_tower_get_their_own_results(encoder, second):
     """While one thread's packed forward is inside the encoder, another's forward of other items (the
     padded stock encoder, or packed too) runs through the same layers."""
     tower = tower_of("31b_like")
-    apply_fused_vision_to_gemma4(tower, encoder=encoder, backend="reference")  # Triton's interpreter is not thread-safe
+    apply_fused_vision_to_gemma4(tower, encoder=encoder)
     first_inputs = make_inputs(GRIDS, SEQ_LEN, seed=31)
     second_inputs = make_inputs([(4, 4), (2, 6), (6, 2)], 16, seed=32)
     calls = [
