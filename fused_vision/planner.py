@@ -79,7 +79,7 @@ def plan(
     """
     items = _positive_int("num_items", num_items)
     extra = _integer("extra_bytes_per_item", extra_bytes_per_item, 0)
-    _check_memory_arguments(device, free_bytes, total_bytes)
+    memory = _check_memory_arguments(device, free_bytes, total_bytes)
     device = _planned_device(device, free_bytes)
     attn_implementation = _priced_attention(vision_config, attn_implementation, device)
     cost = extra + transient_bytes_per_item(
@@ -90,7 +90,7 @@ def plan(
         attn_implementation=attn_implementation,
         encoder=encoder,
     )
-    return max(1, min(items, _planned_budget(device, free_bytes, total_bytes) // cost))
+    return max(1, min(items, _planned_budget(device, memory) // cost))
 
 
 def plan_tokens(
@@ -117,7 +117,7 @@ def plan_tokens(
     extra = _integer("extra_bytes_per_patch", extra_bytes_per_patch, 0)
     if path not in PATHS:
         raise ValueError(f"path: expected one of {PATHS}, got {path!r}")
-    _check_memory_arguments(device, free_bytes, total_bytes)
+    memory = _check_memory_arguments(device, free_bytes, total_bytes)
     device = _planned_device(device, free_bytes)
     shape = _tower_shape(vision_config, _priced_attention(vision_config, attn_implementation, device))
     per_patch, per_square = _packed_costs(shape, _dtype_bytes(dtype))
@@ -125,14 +125,25 @@ def plan_tokens(
     if path == "onehot":
         cost = max(cost, _onehot_bytes(1, shape.table_rows))
     scores = _with_headroom(per_square * longest * longest)
-    return max(1, (_planned_budget(device, free_bytes, total_bytes) - scores) // (cost + extra))
+    return max(1, (_planned_budget(device, memory) - scores) // (cost + extra))
 
 
-def _check_memory_arguments(device, free_bytes, total_bytes) -> None:
+def _check_memory_arguments(device, free_bytes, total_bytes) -> tuple[int, int] | None:
+    """The caller's (free, total) as ints, checked to be one device's reading; None when not given."""
     if (free_bytes is None) != (total_bytes is None):
         raise ValueError("free_bytes, total_bytes: pass both or neither")
-    if free_bytes is not None and device is not None:
+    if free_bytes is None:
+        return None
+    if device is not None:
         raise ValueError("device: pass either a device or free_bytes and total_bytes, not both")
+    free, total = _integer("free_bytes", free_bytes, 0), _integer("total_bytes", total_bytes, 0)
+    if free > total:
+        # Not one device's reading (devices or units mixed): vLLM's min(free // 2, total // 10) would hide it.
+        raise ValueError(
+            f"free_bytes, total_bytes: expected free memory at most the device's total, got free_bytes={free} "
+            f"> total_bytes={total}"
+        )
+    return free, total
 
 
 def _planned_device(device, free_bytes) -> torch.device | None:
@@ -149,12 +160,8 @@ def _priced_attention(vision_config, attn_implementation, device) -> str | None:
     return attn_implementation
 
 
-def _planned_budget(device, free_bytes, total_bytes) -> int:
-    if free_bytes is None:
-        free, total = device_memory(device)
-    else:
-        free, total = _integer("free_bytes", free_bytes, 0), _integer("total_bytes", total_bytes, 0)
-    return _budget(free, total)
+def _planned_budget(device, memory: tuple[int, int] | None) -> int:
+    return _budget(*(device_memory(device) if memory is None else memory))
 
 
 def transient_bytes_per_item(

@@ -173,7 +173,10 @@ def _tower_with(**changes):
         (dict(patches_per_item=0), ValueError, "patches_per_item"),
         (dict(free_bytes=GiB, total_bytes=None), ValueError, "free_bytes, total_bytes"),
         (dict(free_bytes=-1), ValueError, "free_bytes"),
+        (dict(total_bytes=-1), ValueError, "total_bytes"),
+        (dict(free_bytes=1.5), TypeError, "free_bytes"),
         (dict(total_bytes=1.5), TypeError, "total_bytes"),
+        (dict(free_bytes=11 * GiB), ValueError, rf"free_bytes={11 * GiB} > total_bytes={10 * GiB}"),
         (dict(device="cpu"), ValueError, "device"),
         (dict(dtype=torch.int32), TypeError, "dtype"),
         (dict(dtype="bfloat16"), TypeError, "dtype"),
@@ -295,3 +298,7 @@ def test_packed_onehot_and_extra_bytes_and_errors():
         planner.plan_tokens(0, TOWER_26B_31B, **memory)
     with pytest.raises(ValueError, match="free_bytes, total_bytes"):
         planner.plan_tokens(630, TOWER_26B_31B, free_bytes=1)
+    with pytest.raises(ValueError, match=r"free_bytes=2 > total_bytes=1"):
+        planner.plan_tokens(630, TOWER_26B_31B, free_bytes=2, total_bytes=1)
+    with pytest.raises(ValueError, match="total_bytes"):
+        planner.plan_tokens(630, TOWER_26B_31B, free_bytes=0, total_bytes=-1)

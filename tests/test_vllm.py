@@ -229,6 +229,16 @@ def test_the_26b_31b_tower_on_3_of_22_gib_gets_the_planners_chunk(target_model, 
 
 
 @needs_vllm
+def test_a_reading_with_more_free_than_total_memory_gets_vllms_own_chunk(target_model):
+    """No device reads so; the planner would raise on it, and vLLM's formula, its safety net, answers."""
+    patch_both()
+    free, total = 22 * GiB, 3 * GiB
+    with pytest.warns(RuntimeWarning, match="free_bytes=.* > total_bytes="):
+        chunk = target_model._encoder_chunk(IMAGE, free, total, POSITION_EMBEDDING_SIZE)
+    assert chunk == model_class()._encoder_chunk(IMAGE, free, total, POSITION_EMBEDDING_SIZE)
+
+
+@needs_vllm
 def test_a_stock_one_hot_embedder_is_priced_as_vllm_prices_it(target_model, monkeypatch):
     """Where a 5.5-5.9 embedder runs its stock one-hot (vLLM 0.33 pins 5.16+, so it is played here), the
     one-hot is the price: with sdpa, vLLM's own answer."""

@@ -69,8 +69,14 @@ def _planner_path(tower: nn.Module) -> str:
 def _encoder_chunk(self, patches_per_item, free_bytes, total_bytes, position_embedding_size):
     """``Gemma4ForConditionalGeneration._encoder_chunk`` for a model's own calls: the planner's chunk for its
     tower within vLLM's budget, ``min(free // 2, total // 10)``, and at most a guarded re-run's cap."""
+    stock = patching.stock_method(self, "_encoder_chunk")
     if patching.fused_state(self) is None:
-        stock = patching.stock_method(self, "_encoder_chunk")
+        return stock(patches_per_item, free_bytes, total_bytes, position_embedding_size)
+    if free_bytes > total_bytes:  # no device reads so; vLLM's own formula is the safety net the planner keeps
+        warn_once(
+            f"fused_vision: vLLM reported free_bytes={free_bytes} > total_bytes={total_bytes}; "
+            "this call's chunk is vLLM's own"
+        )
         return stock(patches_per_item, free_bytes, total_bytes, position_embedding_size)
     tower = self.vision_tower  # position_embedding_size is its config's, which the planner reads
     encoder_state = patching.fused_state(tower.encoder)
