@@ -66,6 +66,7 @@ def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]
 # The architectures whose tensor cores take operand A from registers (wgmma, tcgen05): there a big tile's
 # fp32 pixel prologue fits in registers, where mma.sync's own operand registers make it spill.
 ASYNC_MMA = ("sm_90", "sm_100")
+SYNC_MMA = ("sm_80", "sm_86", "sm_89", "sm_120", "gfx")  # the others: mma.sync, and AMD's MFMA
 
 
 def configs(names: tuple[str, str, str], tiles) -> list[tuple[triton.Config, int, tuple[str, ...] | None]]:
@@ -108,15 +109,18 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
     return tuned, gpu_configs
 
 
-@triton.jit
-def round_to_bf16(x):
-    """fp32 -> bf16 with round-to-nearest-even.
+# Under the interpreter, whose fp32 -> bf16 cast truncates and whose bf16 arithmetic is broken, bf16 values
+# round with integer ops and narrow-dtype arithmetic runs in fp32; compiled, the hardware does both.
+INTERPRETED = tl.constexpr(interpreting())
 
-    Done with integer ops because the interpreter's cast truncates; the same code compiles to a
-    handful of integer instructions on a GPU, where it matches the hardware cast bit for bit on every
-    non-NaN input, overflow to +-inf included. NaN is kept apart: rounding its payload would carry into
-    the exponent or the sign (the GPU's own NaN, 0x7FFFFFFF, would become -0.0), so it keeps its sign
-    and high payload and gets the quiet bit, as the cast does.
+
+@triton.jit
+def round_to_bf16_by_integers(x):
+    """fp32 -> bf16 with round-to-nearest-even in integer ops, for the interpreter.
+
+    It matches the hardware cast bit for bit on every non-NaN input, overflow to +-inf included. NaN is
+    kept apart: rounding its payload would carry into the exponent or the sign, so it keeps its sign and
+    high payload and gets the quiet bit.
     """
     bits = x.to(tl.uint32, bitcast=True)
     rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
@@ -127,11 +131,44 @@ def round_to_bf16(x):
 
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
-    """Round an fp32 tensor to DTYPE (bf16, fp16 or fp32) exactly as a PyTorch cast would."""
-    if DTYPE == tl.bfloat16:
-        return round_to_bf16(x)
+    """Round ``x`` to DTYPE to nearest even, as a PyTorch cast: on a GPU the hardware's cvt.rn, one
+    instruction per two values."""
+    if INTERPRETED and DTYPE == tl.bfloat16:
+        return round_to_bf16_by_integers(x.to(tl.float32))
     else:
-        return x.to(DTYPE)
+        return x.to(DTYPE, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def add_rounded(a, b, DTYPE: tl.constexpr):
+    """round(a + b) for a and b in DTYPE, as stock's add: in fp32, rounded once. For two values of one
+    narrow dtype that is the correctly rounded sum (the fp32 sum is exact, or too far from a tie to move
+    it), which the GPU's own bf16/fp16 add computes in one instruction per two values."""
+    if INTERPRETED:
+        return round_to(a.to(tl.float32) + b.to(tl.float32), DTYPE)
+    else:
+        return a + b
+
+
+@triton.jit
+def sub_rounded(a, b, DTYPE: tl.constexpr):
+    """round(a - b), as ``add_rounded``: the interpreter cannot negate a bf16 tensor, so the difference
+    has its own helper."""
+    if INTERPRETED:
+        return round_to(a.to(tl.float32) - b.to(tl.float32), DTYPE)
+    else:
+        return a - b
+
+
+@triton.jit
+def mul_rounded(a, b, DTYPE: tl.constexpr):
+    """round(a * b) for a and b in DTYPE, as stock's product: in fp32, rounded once. For two bf16 or fp16
+    values the fp32 product is exact (8 + 8 or 11 + 11 significant bits) outside fp32's subnormal range, so
+    that is the GPU's correctly rounded bf16/fp16 multiply."""
+    if INTERPRETED:
+        return round_to(a.to(tl.float32) * b.to(tl.float32), DTYPE)
+    else:
+        return a * b
 
 
 @triton.jit
@@ -150,14 +187,41 @@ def clamp_bounds(clamps_ptr, row, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def rms_inverse(sum_squares, size, eps):
-    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over ``size`` (an fp32) values:
-    the mean as torch's CPU mean (sum / size), the power correctly rounded (as torch's CPU pow(-0.5))."""
-    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_squares, size) + eps))
+def rms_inverse(sum_squares, SIZE: tl.constexpr, eps):
+    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over SIZE values.
+
+    Interpreted, torch's CPU order bit for bit: the mean as sum / size, the power correctly rounded. On a
+    GPU, as torch's CUDA pow(-0.5): the hardware's reciprocal square root (within 2 ulp of fp32) of the
+    sum times 1 / size (within 1 ulp of the quotient), a few instructions a row where the correctly
+    rounded pair costs dozens."""
+    if INTERPRETED:
+        size = tl.full(sum_squares.shape, SIZE, tl.float32)
+        return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_squares, size) + eps))
+    else:
+        return tl.rsqrt(sum_squares * (1.0 / SIZE) + eps)
+
+
+def row_parts(width: int) -> tuple[int, int]:
+    """A row of ``width`` columns as a power-of-two main part and a tail (0 for a power of two), the tail
+    rounded up to a power of two: 1152 = 1024 + 128 and 768 = 512 + 256 leave no lane past the row."""
+    main = 1 << (width.bit_length() - 1)
+    return main, 0 if main == width else triton.next_power_of_2(width - main)
+
+
+def unit_inner_stride(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, or a contiguous copy where its last dimension is strided: the kernels read rows as
+    contiguous vectors."""
+    return tensor if tensor.stride(-1) == 1 or tensor.shape[-1] <= 1 else tensor.contiguous()
 
 
 def as_rows(tensor: torch.Tensor) -> torch.Tensor:
     """A (..., D) tensor as (rows, D) with unit column stride, for the row kernels: a view where the
     strides allow one, a copy otherwise."""
-    rows = tensor.reshape(-1, tensor.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
+    return unit_inner_stride(tensor.reshape(-1, tensor.shape[-1]))
+
+
+def offset_dtype(*tensors: torch.Tensor) -> tl.dtype:
+    """tl.int32 for the kernels' element offsets where every operand's farthest element lies below 2**31
+    (so index math costs one 32-bit op), else tl.int64: chosen per launch on the host."""
+    span = max(sum((size - 1) * abs(stride) for size, stride in zip(t.shape, t.stride())) for t in tensors)
+    return tl.int32 if span < 2**31 else tl.int64

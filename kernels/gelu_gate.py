@@ -1,29 +1,85 @@
 """Gemma 4 vision MLP's activation in one pass over the fused gate/up projection's output:
 ``gelu_tanh(gate) * up``, with the E2B/E4B clipped linears' clamps (gate's and up's output clamps, down's
 input clamp) folded in. Values round to the hidden dtype where stock rounds them: the GELU, the product.
+
+Each program owns ROWS whole rows, one at a time, cut into a power-of-two main part and a tail
+(3072 = 2048 + 1024; 4304 = 4096 + 208, the tail rounded up to 256): one row's index math, then 16-byte
+vectors of gate and of up, which sits I columns further.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from .common import TORCH_TO_TL, as_rows, clamp, clamp_bounds, gather_launch_config, interpreting, launcher, round_to
+from .common import (
+    INTERPRETED,
+    TORCH_TO_TL,
+    as_rows,
+    clamp,
+    clamp_bounds,
+    interpreting,
+    launcher,
+    mul_rounded,
+    offset_dtype,
+    round_to,
+    row_parts,
+)
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # torch's kBeta: M_SQRT2 * M_2_SQRTPI * 0.5
 KAPPA = tl.constexpr(0.044715)
+# exp(-2u) = 2**(x (A + B x²)) with A = -2 kBeta / ln 2 and B = A kappa.
+EXP2_A = tl.constexpr(-2.302208198144325)
+EXP2_B = tl.constexpr(-0.1029432395800235)
 
 
 @triton.jit
-def _gelu_tanh(x):
+def _gelu_tanh(x, DTYPE: tl.constexpr):
     """torch's ``gelu(x, approximate="tanh")`` in fp32: 0.5 x (1 + tanh(u)), u = kBeta (x + kappa x³).
 
-    tanh from exp(-2|u|), which never overflows (the interpreter has no tanh); 1 + tanh(u) then cancels
-    as stock's does where u is very negative, to exactly 0 where tanh(u) rounds to -1.
+    For bf16 and fp16 as x / (1 + exp(-2u)), the same function without the cancellation of 1 + tanh(u)
+    where u is very negative: an fma, the hardware's exp2 and a fast divide, within a few fp32 units of
+    the exact GELU, far within one rounding of the dtype. fp32 keeps tanh from exp(-2|u|) (which never
+    overflows) and exact division, within 2**-22 of stock's.
     """
-    inner = SQRT_2_OVER_PI * (x + KAPPA * (x * x * x))
-    decay = tl.exp(-2.0 * tl.abs(inner))
-    tanh = (1.0 - decay) / (1.0 + decay)
-    return 0.5 * x * (1.0 + tl.where(inner < 0, -tanh, tanh))
+    if DTYPE == tl.float32:
+        inner = SQRT_2_OVER_PI * (x + KAPPA * (x * x * x))
+        decay = tl.exp(-2.0 * tl.abs(inner))
+        tanh = tl.div_rn(1.0 - decay, 1.0 + decay)
+        return 0.5 * x * (1.0 + tl.where(inner < 0, -tanh, tanh))
+    else:
+        denominator = 1.0 + tl.exp2(x * tl.fma(x * x, EXP2_B, EXP2_A))
+        if INTERPRETED:  # the interpreter has no fast divide
+            return x / denominator
+        else:  # x / (2**126 or more) is 0 here, as the exact quotient rounds in the dtype
+            return libdevice.fast_dividef(x, denominator)
+
+
+@triton.jit
+def _gelu_gate_part(gate_row, out_row, cols, bounds, INTERMEDIATE: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_CLAMPS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """One part of a row; up sits INTERMEDIATE columns after gate. Masked only where the part passes I."""
+    if MASKED:
+        gate = tl.load(gate_row + cols, mask=cols < INTERMEDIATE, other=0.0)
+        up = tl.load(gate_row + INTERMEDIATE + cols, mask=cols < INTERMEDIATE, other=0.0)
+    else:
+        gate = tl.load(gate_row + cols)
+        up = tl.load(gate_row + INTERMEDIATE + cols)
+    gate = gate.to(tl.float32)
+    # Stock's act_fn(gate) rounds to the hidden dtype, then `* up` rounds again.
+    if HAS_CLAMPS:
+        gate_low, gate_high, up_low, up_high, down_low, down_high = bounds
+        gelu = round_to(_gelu_tanh(clamp(gate, gate_low, gate_high), DTYPE), DTYPE).to(tl.float32)
+        # The product of two narrow values is exact in fp32, and down's input clamp has bounds in the dtype:
+        # clamping before the product's rounding is clamping after it.
+        product = gelu * clamp(up.to(tl.float32), up_low, up_high)
+        out = round_to(clamp(product, down_low, down_high), DTYPE)
+    else:
+        out = mul_rounded(round_to(_gelu_tanh(gate, DTYPE), DTYPE), up, DTYPE)
+    if MASKED:
+        tl.store(out_row + cols, out, mask=cols < INTERMEDIATE)
+    else:
+        tl.store(out_row + cols, out)
 
 
 @triton.jit
@@ -32,33 +88,36 @@ def _gelu_gate_kernel(
     clamps_ptr,
     out_ptr,
     num_rows,
-    intermediate,
     stride_gate_up,
+    INTERMEDIATE: tl.constexpr,
+    MAIN: tl.constexpr,
+    TAIL: tl.constexpr,
     HAS_CLAMPS: tl.constexpr,
     DTYPE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_I: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    # int64 rows: rows * 2I may exceed 2**31 elements.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
-    tile_in = (rows < num_rows)[:, None] & (cols < intermediate)[None, :]
-    gate = gate_up_ptr + rows[:, None] * stride_gate_up + cols[None, :]
-    up = tl.load(gate + intermediate, mask=tile_in, other=0.0).to(tl.float32)
-    gate = tl.load(gate, mask=tile_in, other=0.0).to(tl.float32)
-    if HAS_CLAMPS:
-        # gate_proj's and up_proj's output clamps, in the hidden dtype.
-        low, high = clamp_bounds(clamps_ptr, 0, DTYPE)
-        gate = clamp(gate, low, high)
-        low, high = clamp_bounds(clamps_ptr, 1, DTYPE)
-        up = clamp(up, low, high)
-    # Stock's act_fn(gate) rounds to the hidden dtype, then `* up` rounds again.
-    out = round_to(round_to(_gelu_tanh(gate), DTYPE).to(tl.float32) * up, DTYPE)
-    if HAS_CLAMPS:
-        # down_proj's input clamp.
-        low, high = clamp_bounds(clamps_ptr, 2, DTYPE)
-        out = clamp(out.to(tl.float32), low, high).to(DTYPE)
-    tl.store(out_ptr + rows[:, None] * intermediate + cols[None, :], out, mask=tile_in)
+    main = tl.arange(0, MAIN)
+    MASK_TAIL: tl.constexpr = MAIN + TAIL > INTERMEDIATE
+    bounds = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    if HAS_CLAMPS:  # read once: the stores below may alias them, for all the compiler knows
+        bounds = (
+            clamp_bounds(clamps_ptr, 0, DTYPE) + clamp_bounds(clamps_ptr, 1, DTYPE) + clamp_bounds(clamps_ptr, 2, DTYPE)
+        )
+    for block in tl.static_range(ROWS):
+        # The last program's rows past the end repeat the last row, rewriting it with the same values.
+        row = tl.minimum(tl.program_id(0).to(OFFSETS) * ROWS + block, num_rows - 1)
+        gate_row, out_row = gate_up_ptr + row * stride_gate_up, out_ptr + row * INTERMEDIATE
+        _gelu_gate_part(gate_row, out_row, main, bounds, INTERMEDIATE, False, HAS_CLAMPS, DTYPE)
+        if TAIL > 0:
+            tail = MAIN + tl.arange(0, TAIL)
+            _gelu_gate_part(gate_row, out_row, tail, bounds, INTERMEDIATE, MASK_TAIL, HAS_CLAMPS, DTYPE)
+
+
+def launch_config(interpreted: bool) -> tuple[int, int]:
+    """(ROWS, num_warps): a row at a time over 4 warps (4304 columns: 34 a thread), 4 rows a program:
+    20,160 programs at 80,640 rows. The interpreter pays per program: 8 rows."""
+    return (8, 1) if interpreted else (4, 4)
 
 
 @launcher
@@ -69,20 +128,21 @@ def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None) -> torch.Tenso
     if out.numel() == 0:
         return out
     rows = as_rows(gate_up)
-    num_rows = rows.shape[0]
-    block_rows, block_i, num_warps = gather_launch_config(intermediate, interpreting())
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(intermediate, block_i))
-    _gelu_gate_kernel[grid](
+    main, tail = row_parts(intermediate)
+    rows_per_program, num_warps = launch_config(interpreting())
+    _gelu_gate_kernel[(triton.cdiv(rows.shape[0], rows_per_program),)](
         rows,
         out if clamps is None else clamps.contiguous(),  # read as (3, 2) rows; HAS_CLAMPS=False: never read
         out,
-        num_rows,
-        intermediate,
+        rows.shape[0],
         rows.stride(0),
+        INTERMEDIATE=intermediate,
+        MAIN=main,
+        TAIL=tail,
         HAS_CLAMPS=clamps is not None,
         DTYPE=TORCH_TO_TL[gate_up.dtype],
-        BLOCK_ROWS=block_rows,
-        BLOCK_I=block_i,
+        OFFSETS=offset_dtype(rows, out),
+        ROWS=rows_per_program,
         num_warps=num_warps,
         enable_fp_fusion=False,  # no fma: the products the interpreter's tests check, under every Triton's default
     )

@@ -3,13 +3,16 @@
 out[m] = round(round(W @ round_W(2 * (pixels[m] - 0.5))) + pe[m])
 
 - Prologue: pixels (fp32, fp16 or bf16, the processor's dtype) are prescaled in their own dtype and
-  rounded to the weight dtype on load, as stock's `(2 * (pixel_values - 0.5)).to(W.dtype)`.
+  rounded to the weight dtype on load, as stock's `(2 * (pixel_values - 0.5)).to(W.dtype)`: for fp32
+  pixels one fma, 2p - 1 (doubling is exact, so it rounds as stock's two steps), and one hardware cast.
 - Main loop: bf16/fp16 weights take a tensor-core dot with an fp32 accumulator. fp32 weights take ieee
   dots (stock's fp32 linear does not use tf32), one FMA chain per output over the K block; the
   blocks' sums add up in fp64, so the rounding error grows with BLOCK_K rather than with K. A single
   chain over K = 768 is less accurate than cuBLAS when it splits K for a small output (1.4 to 3.4 times
   the error for 2 to 16 splits); summed per block in fp64, at most that of 16 splits
-  (bench/fp32_accumulation.py emulates each order).
+  (bench/fp32_accumulation.py emulates each order). K and D are compile-time sizes: where the blocks
+  tile them (768 and 1152 by 64 and 128), the loop has no masks; rows past the last are read as the
+  last row and never stored, so no load in the loop is masked.
 - Epilogue: the accumulator rounds to the weight dtype (stock's `input_proj` output), the two table rows
   are gathered for non-padding rows, and `hidden + pe` rounds once more, as stock. One store; no
   (B, N, K) or (B, N, D) temporaries.
@@ -24,15 +27,30 @@ import triton.language as tl
 
 from .common import (
     ASYNC_MMA,
+    SYNC_MMA,
     TORCH_TO_TL,
+    add_rounded,
     autotune_per_dtype,
     configs,
-    int32_inner_offsets,
     interpreting,
     launcher,
+    offset_dtype,
     round_to,
+    unit_inner_stride,
 )
-from .position_embeddings import load_positions, position_embeddings_tile
+from .position_embeddings import flat_ids, lookup_block, table_rows
+
+
+@triton.jit
+def _prescale(pixels, PIXEL_DTYPE: tl.constexpr, DTYPE: tl.constexpr):
+    """Stock's ``(2 * (pixels - 0.5)).to(DTYPE)``, its arithmetic in the pixel dtype."""
+    if PIXEL_DTYPE == tl.float32:
+        doubled = tl.fma(pixels, 2.0, -1.0)
+    else:
+        # fp16's range is narrower than fp32's: the doubling rounds (and may overflow) in the pixel dtype.
+        half = round_to(pixels.to(tl.float32) - 0.5, PIXEL_DTYPE).to(tl.float32)
+        doubled = round_to(2.0 * half, PIXEL_DTYPE).to(tl.float32)
+    return round_to(doubled, DTYPE)
 
 
 @triton.jit
@@ -44,54 +62,48 @@ def _patch_embed_kernel(
     padding_ptr,
     out_ptr,
     num_rows,
-    seq_len,
-    features,
-    hidden,
     num_positions,
-    stride_pixels_b,
-    stride_pixels_n,
-    stride_pixels_k,
-    stride_weight_d,
-    stride_weight_k,
     stride_table_axis,
     stride_table_pos,
-    stride_table_d,
-    stride_ids_b,
-    stride_ids_n,
-    stride_ids_axis,
-    stride_padding_b,
-    stride_padding_n,
+    FEATURES: tl.constexpr,
+    HIDDEN: tl.constexpr,
     PIXEL_DTYPE: tl.constexpr,
     DTYPE: tl.constexpr,
     DOT_IN_FP32: tl.constexpr,
+    OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FULL_ROWS: tl.constexpr,
 ):
-    num_d_blocks = tl.cdiv(hidden, BLOCK_D)
+    D_BLOCKS: tl.constexpr = (HIDDEN + BLOCK_D - 1) // BLOCK_D
     pid = tl.program_id(0)
-    rows = (pid // num_d_blocks).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % num_d_blocks) * BLOCK_D + tl.arange(0, BLOCK_D)
+    first_row = (pid // D_BLOCKS).to(OFFSETS) * BLOCK_M
+    first_col = (pid % D_BLOCKS) * BLOCK_D
+    # The last block of rows (of columns) ends at the last row (column), overlapping the one before, which it
+    # writes again with the same values: every row it reads exists, so no load is masked, and the rows of a
+    # thread sit at constant distances, which the loads take as immediates (pixels and weight are contiguous
+    # (B * N, K) and (D, K)). Only a tensor smaller than one block masks.
+    if FULL_ROWS:
+        first_row = tl.minimum(first_row, num_rows - BLOCK_M)
+    if HIDDEN >= BLOCK_D:
+        first_col = tl.minimum(first_col, HIDDEN - BLOCK_D)
+    rows = first_row + tl.arange(0, BLOCK_M)
+    cols = first_col + tl.arange(0, BLOCK_D)
     row_in = rows < num_rows
-    col_in = cols < hidden
-    batch = rows // seq_len
-    patch = rows % seq_len
-
-    pixel_rows = pixels_ptr + batch[:, None] * stride_pixels_b + patch[:, None] * stride_pixels_n
-    weight_cols = weight_ptr + cols[None, :].to(tl.int64) * stride_weight_d
+    col_in = cols < HIDDEN
+    pixel_rows = pixels_ptr + (rows if FULL_ROWS else tl.minimum(rows, num_rows - 1))[:, None] * FEATURES
+    weight_cols = weight_ptr + (cols if HIDDEN >= BLOCK_D else tl.minimum(cols, HIDDEN - 1))[None, :] * FEATURES
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float64 if DTYPE == tl.float32 else tl.float32)
-    for k0 in range(0, features, BLOCK_K):
+    for k0 in range(0, FEATURES, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_in = ks < features
-        pixels = tl.load(pixel_rows + ks[None, :] * stride_pixels_k, mask=row_in[:, None] & k_in[None, :], other=0.5)
-        # 2 * (p - 0.5) in the pixel dtype, then the cast to the weight dtype. Doubling in fp32 is exact and
-        # matches stock's doubling in fp32 and bf16 (fp32's range); fp16's range is narrower, where stock's
-        # doubling can overflow to inf, so it is rounded to fp16 again.
-        doubled = 2.0 * round_to(pixels.to(tl.float32) - 0.5, PIXEL_DTYPE).to(tl.float32)
-        if PIXEL_DTYPE == tl.float16:
-            doubled = doubled.to(tl.float16).to(tl.float32)
-        a = round_to(doubled, DTYPE)
-        b = tl.load(weight_cols + ks[:, None] * stride_weight_k, mask=k_in[:, None] & col_in[None, :], other=0.0)
+        if FEATURES % BLOCK_K == 0:
+            pixels = tl.load(pixel_rows + ks[None, :])
+            b = tl.load(weight_cols + ks[:, None])
+        else:  # masked K: pixels of 0.5 prescale to 0
+            pixels = tl.load(pixel_rows + ks[None, :], mask=(ks < FEATURES)[None, :], other=0.5)
+            b = tl.load(weight_cols + ks[:, None], mask=(ks < FEATURES)[:, None], other=0.0)
+        a = _prescale(pixels, PIXEL_DTYPE, DTYPE)
         if DOT_IN_FP32:  # the interpreter has no bf16 dot; bf16 values are exact in fp32
             acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
         elif DTYPE == tl.float32:
@@ -100,59 +112,41 @@ def _patch_embed_kernel(
         else:
             acc = tl.dot(a, b, acc)
 
-    hidden_states = round_to(acc, DTYPE).to(tl.float32)
-    x, y, padding = load_positions(
-        ids_ptr,
-        padding_ptr,
-        batch,
-        patch,
-        row_in,
-        stride_ids_b,
-        stride_ids_n,
-        stride_ids_axis,
-        stride_padding_b,
-        stride_padding_n,
+    hidden_states = round_to(acc, DTYPE)
+    x_rows, y_rows, lookup, fill = table_rows(
+        table_ptr, ids_ptr, padding_ptr, rows, row_in, num_positions, stride_table_axis, stride_table_pos
     )
-    pe = position_embeddings_tile(
-        table_ptr,
-        x,
-        y,
-        padding,
-        row_in,
-        cols,
-        col_in,
-        num_positions,
-        stride_table_axis,
-        stride_table_pos,
-        stride_table_d,
-        DTYPE,
-    )
-    out = round_to(hidden_states + pe, DTYPE)
-    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
+    pe = lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN, BLOCK_D, DTYPE)
+    out = add_rounded(hidden_states, pe, DTYPE)
+    tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
 
 
 # Each is offered where it fits and does not spill with Triton 3.6 to 3.9 (bench/tools/build_matrix.py
-# checks every target): the fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not
-# spend, most under mma.sync, whose operands sit in registers too (sm_80 to sm_89, sm_120). fp32 weights
-# (ieee dots, as stock's fp32 linear) need smaller tiles still, and 8 warps: with their fp64 block sums,
-# each 4-warp tile tried (64x64, 32x128) spills under Triton 3.6, 3.7 or 3.9. Tuned once per (D, K,
-# dtypes), at the first call's row count, which then serves every size: a key on the row count would
-# time candidates at sizes first seen inside a CUDA graph capture.
+# checks every target) and, on wgmma and tcgen05, where its K loop feeds the tensor cores (at most 48
+# instructions per HGMMA: bench/tools/speed_of_light.py; 32-deep K blocks pay their loop twice as often).
+# The fp32 pixel tile and its conversion cost registers a plain bf16 GEMM would not spend, most under
+# mma.sync, whose operands sit in registers too (sm_80 to sm_89, sm_120). fp32 weights (ieee dots, as
+# stock's fp32 linear) need smaller tiles still, and 8 warps: with their fp64 block sums, each 4-warp tile
+# tried (64x64, 32x128) spills under Triton 3.6, 3.7 or 3.9. Tuned once per (D, K, dtypes), at the first
+# call's row count, which then serves every size: a key on the row count would time candidates at sizes
+# first seen inside a CUDA graph capture.
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
+# Meta-parameters that follow from a config and the call: the tools that build a launch apply them too.
+HEURISTICS = {"FULL_ROWS": lambda args: args["num_rows"] >= args["BLOCK_M"]}
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
-    _patch_embed_kernel,
-    key=["hidden", "features"],
+    triton.heuristics(HEURISTICS)(_patch_embed_kernel),
+    key=["HIDDEN", "FEATURES"],
     dtype_of="weight_ptr",
     half=configs(
         _TILE,
         [
             (128, 128, 64, 8, 3, 144, ASYNC_MMA),
-            (128, 128, 32, 8, 4, 96, ASYNC_MMA + ("sm_120",)),  # sm_80 to sm_89: spills (3.6, 3.9)
+            (128, 128, 32, 8, 4, 96, ("sm_120",)),  # sm_80 to sm_89: spills (3.6, 3.9)
             (64, 256, 64, 8, 3, 144, None),
             (64, 128, 64, 4, 4, 128, ASYNC_MMA),
             (128, 64, 64, 4, 4, 152, ASYNC_MMA),
             (64, 128, 32, 4, 2, 48, ("gfx",)),  # 64 KiB of LDS: two stages, 4 wavefronts of 64
-            (128, 128, 32, 8, 2, 64, None),  # every target's fallback: 32 KiB (64 on AMD), spill-free
+            (128, 128, 32, 8, 2, 64, SYNC_MMA),  # the fallback: 32 KiB (64 on AMD), spill-free
         ],
     ),
     fp32=configs(
@@ -177,42 +171,42 @@ def patch_embed(
     padding_positions: torch.Tensor,
 ) -> torch.Tensor:
     """Launch the fused embedder on validated inputs; returns a new contiguous (B, N, D) tensor."""
-    pixel_values, weight, table = map(int32_inner_offsets, (pixel_values, weight, table))
     batch, seq_len, features = pixel_values.shape
     hidden = weight.shape[0]
     out = torch.empty((batch, seq_len, hidden), dtype=weight.dtype, device=weight.device)
     num_rows = batch * seq_len
     if out.numel() == 0:
         return out
+    pixels, weight, table = pixel_values.contiguous(), weight.contiguous(), unit_inner_stride(table)
+    ids, padding = flat_ids(position_ids, padding_positions)
     args = (
-        pixel_values,
+        pixels,
         weight,
         table,
-        position_ids,
-        padding_positions.view(torch.uint8),
+        ids,
+        padding,
         out,
         num_rows,
-        seq_len,
-        features,
-        hidden,
         table.shape[1],
-        *pixel_values.stride(),
-        *weight.stride(),
-        *table.stride(),
-        *position_ids.stride(),
-        *padding_positions.stride(),
+        table.stride(0),
+        table.stride(1),
     )
-    dtypes = dict(PIXEL_DTYPE=TORCH_TO_TL[pixel_values.dtype], DTYPE=TORCH_TO_TL[weight.dtype])
+    meta = dict(
+        FEATURES=features,
+        HIDDEN=hidden,
+        PIXEL_DTYPE=TORCH_TO_TL[pixel_values.dtype],
+        DTYPE=TORCH_TO_TL[weight.dtype],
+        OFFSETS=offset_dtype(pixels, weight, table, out),
+    )
 
-    def grid(meta):
-        return (triton.cdiv(num_rows, meta["BLOCK_M"]) * triton.cdiv(hidden, meta["BLOCK_D"]),)
+    def grid(tile):
+        return (triton.cdiv(num_rows, tile["BLOCK_M"]) * triton.cdiv(hidden, tile["BLOCK_D"]),)
 
     if interpreting():
         # Fixed large tiles: the interpreter pays per program, and autotuning needs a GPU.
         block_d = min(256, triton.next_power_of_2(hidden))
-        _patch_embed_kernel[grid](
-            *args, **dtypes, DOT_IN_FP32=weight.dtype == torch.bfloat16, BLOCK_M=64, BLOCK_D=block_d, BLOCK_K=64
-        )
+        tile = dict(BLOCK_M=64, BLOCK_D=block_d, BLOCK_K=64, FULL_ROWS=num_rows >= 64)
+        _patch_embed_kernel[grid](*args, **meta, **tile, DOT_IN_FP32=weight.dtype == torch.bfloat16)
     else:
-        _patch_embed_tuned[grid](*args, **dtypes, DOT_IN_FP32=False)
+        _patch_embed_tuned[grid](*args, **meta, DOT_IN_FP32=False)
     return out

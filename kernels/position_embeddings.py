@@ -1,82 +1,49 @@
 """Gemma 4's 2-D position-embedding lookup as a gather (no one-hot, one pass, one store), and its
 table gradient as a scatter-add.
 
-out[b, n] = round(residual[b, n] + round(table[0, x] + table[1, y]))   (residual optional)
+out[r] = round(residual[r] + round(table[0, x] + table[1, y]))   (residual optional)
 
-with (x, y) = position_ids[b, n] clamped at 0 and zero in place of the lookup on padding rows. Each
-program owns a BLOCK_ROWS x BLOCK_D tile of the flattened (B * N, D) output; the two table rows are
-fetched only for rows that are not padding.
+over the flattened (B * N) rows r, with (x, y) = position_ids[r] clamped at 0, and zero in place of the
+lookup on padding rows. Each program owns BLOCK_ROWS whole rows: it reads their ids once, then walks D in
+BLOCK_D columns (an exact tiling of the real widths, 768 and 1152), reading the two table rows only for
+rows that are not padding. Both roundings are the dtype's own adds, as stock's.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, gather_launch_config, int32_inner_offsets, interpreting, launcher, round_to
+from .common import TORCH_TO_TL, add_rounded, as_rows, interpreting, launcher, offset_dtype, unit_inner_stride
 
 
 @triton.jit
-def load_positions(
-    ids_ptr,
-    padding_ptr,
-    batch,
-    patch,
-    row_in,
-    stride_ids_b,
-    stride_ids_n,
-    stride_ids_axis,
-    stride_padding_b,
-    stride_padding_n,
-):
-    """The (x, y) ids as int64 and the padding flag of each row of a tile."""
-    ids_row = ids_ptr + batch * stride_ids_b + patch * stride_ids_n
-    x = tl.load(ids_row, mask=row_in, other=0).to(tl.int64)
-    y = tl.load(ids_row + stride_ids_axis, mask=row_in, other=0).to(tl.int64)
-    padding = tl.load(padding_ptr + batch * stride_padding_b + patch * stride_padding_n, mask=row_in, other=1) != 0
-    return x, y, padding
-
-
-@triton.jit
-def table_rows(x, y, padding, row_in, num_positions):
-    """Which table rows each row of a tile touches, in both directions (lookup and gradient).
-
-    Returns the ids clamped at 0 (stock's clamp: a negative id reads row 0), whether they are below P,
-    and whether the row touches the table at all: below P, not padding, inside the tensor. The host
-    checks the range; rows that slip past it (a skipped check) touch nothing.
-    """
+def table_rows(table_ptr, ids_ptr, padding_ptr, rows, row_in, num_positions, stride_table_axis, stride_table_pos):
+    """Per row of a tile, from (rows, 2) ids and (rows,) padding flags: the pointers to its x and y table
+    rows, whether it reads them, and the value it holds where it does not (0 for padding, NaN for ids P or
+    above: the host's check may be off, and such a row must not pass for a lookup)."""
+    x = tl.load(ids_ptr + 2 * rows, mask=row_in, other=0)
+    y = tl.load(ids_ptr + 2 * rows + 1, mask=row_in, other=0)
+    padding = tl.load(padding_ptr + rows, mask=row_in, other=1) != 0
     ids_valid = (x < num_positions) & (y < num_positions)
-    touches = row_in & ~padding & ids_valid
-    return tl.maximum(x, 0), tl.maximum(y, 0), ids_valid, touches
+    lookup = row_in & ~padding & ids_valid
+    fill = tl.where(ids_valid, 0.0, float("nan"))
+    # Stock's clamp(min=0): a negative id reads row 0.
+    x_rows = table_ptr + tl.maximum(x, 0).to(rows.dtype) * stride_table_pos
+    y_rows = table_ptr + stride_table_axis + tl.maximum(y, 0).to(rows.dtype) * stride_table_pos
+    return x_rows, y_rows, lookup, fill
 
 
 @triton.jit
-def position_embeddings_tile(
-    table_ptr,
-    x,
-    y,
-    padding,
-    row_in,
-    cols,
-    col_in,
-    num_positions,
-    stride_table_axis,
-    stride_table_pos,
-    stride_table_d,
-    DTYPE: tl.constexpr,
-):
-    """fp32 tile holding round_DTYPE(table[0, x] + table[1, y]), 0 on padding rows, NaN on rows whose
-    ids are P or above."""
-    x, y, ids_valid, lookup = table_rows(x, y, padding, row_in, num_positions)
-    lookup_tile = lookup[:, None] & col_in[None, :]
-    col_offsets = cols[None, :] * stride_table_d
-    x_row = tl.load(table_ptr + x[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0)
-    y_row = tl.load(
-        table_ptr + stride_table_axis + y[:, None] * stride_table_pos + col_offsets, mask=lookup_tile, other=0.0
-    )
-    # Stock sums the two rows in fp32 and rounds once to the table dtype.
-    pe = round_to(x_row.to(tl.float32) + y_row.to(tl.float32), DTYPE).to(tl.float32)
-    pe = tl.where(padding[:, None], 0.0, pe)
-    return tl.where(ids_valid[:, None], pe, float("nan"))
+def lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr, DTYPE: tl.constexpr):
+    """round(table[0, x] + table[1, y]) on a block of columns, in DTYPE: ``fill`` on rows that read nothing."""
+    if HIDDEN % BLOCK_D == 0:
+        mask = lookup[:, None]
+    else:
+        mask = lookup[:, None] & (cols < HIDDEN)[None, :]
+    fill = fill.to(DTYPE)[:, None]
+    x_row = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=fill)
+    y_row = tl.load(y_rows[:, None] + cols[None, :], mask=mask, other=fill)
+    return add_rounded(x_row, y_row, DTYPE)
 
 
 @triton.jit
@@ -87,73 +54,50 @@ def _position_embeddings_kernel(
     residual_ptr,
     out_ptr,
     num_rows,
-    seq_len,
     num_positions,
-    hidden,
     stride_table_axis,
     stride_table_pos,
-    stride_table_d,
-    stride_ids_b,
-    stride_ids_n,
-    stride_ids_axis,
-    stride_padding_b,
-    stride_padding_n,
-    stride_residual_b,
-    stride_residual_n,
-    stride_residual_d,
+    stride_residual,
+    HIDDEN: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-    OUT_DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr,
+    OFFSETS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    # int64 row indices: B * N * D may exceed 2**31 elements.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    rows = tl.program_id(0).to(OFFSETS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_in = rows < num_rows
-    col_in = cols < hidden
-    tile_in = row_in[:, None] & col_in[None, :]
-    batch = rows // seq_len
-    patch = rows % seq_len
-
-    x, y, padding = load_positions(
-        ids_ptr,
-        padding_ptr,
-        batch,
-        patch,
-        row_in,
-        stride_ids_b,
-        stride_ids_n,
-        stride_ids_axis,
-        stride_padding_b,
-        stride_padding_n,
+    x_rows, y_rows, lookup, fill = table_rows(
+        table_ptr, ids_ptr, padding_ptr, rows, row_in, num_positions, stride_table_axis, stride_table_pos
     )
-    pe = position_embeddings_tile(
-        table_ptr,
-        x,
-        y,
-        padding,
-        row_in,
-        cols,
-        col_in,
-        num_positions,
-        stride_table_axis,
-        stride_table_pos,
-        stride_table_d,
-        OUT_DTYPE,
-    )
-    if HAS_RESIDUAL:
-        residual = tl.load(
-            residual_ptr
-            + batch[:, None] * stride_residual_b
-            + patch[:, None] * stride_residual_n
-            + cols[None, :] * stride_residual_d,
-            mask=tile_in,
-            other=0.0,
-        )
-        # Stock `hidden + pe`: one more fp32 add and one more rounding.
-        pe = residual.to(tl.float32) + pe
+    for start in tl.static_range(0, HIDDEN, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        if HIDDEN % BLOCK_D == 0:
+            store = row_in[:, None]
+        else:
+            store = row_in[:, None] & (cols < HIDDEN)[None, :]
+        pe = lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN, BLOCK_D, DTYPE)
+        if HAS_RESIDUAL:
+            # Stock's `hidden + pe`: one more add in the dtype.
+            residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=store)
+            pe = add_rounded(residual, pe, DTYPE)
+        tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], pe, mask=store)
 
-    tl.store(out_ptr + rows[:, None] * hidden + cols[None, :], round_to(pe, OUT_DTYPE), mask=tile_in)
+
+def launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]:
+    """(BLOCK_ROWS, BLOCK_D, num_warps). On a GPU, 128-column blocks (16-byte vectors, 16 threads a row; they
+    tile 768 and 1152 exactly) and 16 rows per 4-warp program, each thread 2 rows: ids read once per row,
+    5,040 programs at 80,640 rows to spread over the SMs. The interpreter pays per program and per block:
+    the largest tiles instead."""
+    if interpreted:
+        return 64, triton.next_power_of_2(hidden), 1
+    return 16, min(128, triton.next_power_of_2(hidden)), 4
+
+
+def flat_ids(position_ids: torch.Tensor, padding_positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, N, 2) ids and (B, N) padding as contiguous (B * N, 2) and (B * N,) uint8: the kernels index them
+    by row alone (a copy only for views, 17 bytes a row against the 2 D a row they write)."""
+    return position_ids.reshape(-1, 2).contiguous(), padding_positions.reshape(-1).contiguous().view(torch.uint8)
 
 
 @launcher
@@ -164,33 +108,31 @@ def position_embeddings(
     residual: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Launch the lookup on already-validated inputs; returns a new contiguous (B, N, D) tensor."""
-    table = int32_inner_offsets(table)
+    table = unit_inner_stride(table)
     batch, seq_len, _ = position_ids.shape
     _, num_positions, hidden = table.shape
     out = torch.empty((batch, seq_len, hidden), dtype=table.dtype, device=table.device)
-    num_rows = batch * seq_len
     if out.numel() == 0:
         return out
-    block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
+    ids, padding = flat_ids(position_ids, padding_positions)
     # A null residual still needs a pointer argument; HAS_RESIDUAL keeps it from being read.
-    residual_arg = out if residual is None else int32_inner_offsets(residual)
-    _position_embeddings_kernel[grid](
+    residual_rows = out.view(-1, hidden) if residual is None else as_rows(residual)
+    block_rows, block_d, num_warps = launch_config(hidden, interpreting())
+    _position_embeddings_kernel[(triton.cdiv(ids.shape[0], block_rows),)](
         table,
-        position_ids,
-        padding_positions.view(torch.uint8),
-        residual_arg,
+        ids,
+        padding,
+        residual_rows,
         out,
-        num_rows,
-        seq_len,
+        ids.shape[0],
         num_positions,
-        hidden,
-        *table.stride(),
-        *position_ids.stride(),
-        *padding_positions.stride(),
-        *residual_arg.stride(),
+        table.stride(0),
+        table.stride(1),
+        residual_rows.stride(0),
+        HIDDEN=hidden,
         HAS_RESIDUAL=residual is not None,
-        OUT_DTYPE=TORCH_TO_TL[table.dtype],
+        DTYPE=TORCH_TO_TL[table.dtype],
+        OFFSETS=offset_dtype(out, table, residual_rows),
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,
@@ -205,50 +147,29 @@ def _position_embeddings_backward_kernel(
     padding_ptr,
     acc_ptr,
     num_rows,
-    seq_len,
     num_positions,
-    hidden,
-    stride_grad_b,
-    stride_grad_n,
-    stride_grad_d,
-    stride_ids_b,
-    stride_ids_n,
-    stride_ids_axis,
-    stride_padding_b,
-    stride_padding_n,
+    stride_grad,
+    stride_acc_axis,
+    HIDDEN: tl.constexpr,
+    OFFSETS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):
-    """acc[0, x] += grad[row] and acc[1, y] += grad[row] for every non-padding row, in fp32 atomics."""
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    """acc[0, x] += grad[row] and acc[1, y] += grad[row] for every row that reads the table, in fp32 atomics."""
+    rows = tl.program_id(0).to(OFFSETS) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_in = rows < num_rows
-    col_in = cols < hidden
-    batch = rows // seq_len
-    patch = rows % seq_len
-    x, y, padding = load_positions(
-        ids_ptr,
-        padding_ptr,
-        batch,
-        patch,
-        row_in,
-        stride_ids_b,
-        stride_ids_n,
-        stride_ids_axis,
-        stride_padding_b,
-        stride_padding_n,
+    x_rows, y_rows, scatter, _ = table_rows(
+        acc_ptr, ids_ptr, padding_ptr, rows, row_in, num_positions, stride_acc_axis, HIDDEN
     )
-    x, y, _, scatter_rows = table_rows(x, y, padding, row_in, num_positions)
-    scatter = scatter_rows[:, None] & col_in[None, :]
-    grad = tl.load(
-        grad_ptr + batch[:, None] * stride_grad_b + patch[:, None] * stride_grad_n + cols[None, :] * stride_grad_d,
-        mask=scatter,
-        other=0.0,
-    ).to(tl.float32)
-    x_rows = acc_ptr + x[:, None] * hidden + cols[None, :]
-    y_rows = acc_ptr + (num_positions + y)[:, None] * hidden + cols[None, :]
-    tl.atomic_add(x_rows, grad, mask=scatter, sem="relaxed")
-    tl.atomic_add(y_rows, grad, mask=scatter, sem="relaxed")
+    for start in tl.static_range(0, HIDDEN, BLOCK_D):
+        cols = start + tl.arange(0, BLOCK_D)
+        if HIDDEN % BLOCK_D == 0:
+            mask = scatter[:, None]
+        else:
+            mask = scatter[:, None] & (cols < HIDDEN)[None, :]
+        grad = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.atomic_add(x_rows[:, None] + cols[None, :], grad, mask=mask, sem="relaxed")
+        tl.atomic_add(y_rows[:, None] + cols[None, :], grad, mask=mask, sem="relaxed")
 
 
 @launcher
@@ -256,26 +177,24 @@ def position_embeddings_backward(
     grad: torch.Tensor, position_ids: torch.Tensor, padding_positions: torch.Tensor, num_positions: int
 ) -> torch.Tensor:
     """The fp32 (2, P, D) gradient of the lookup's table; the order of the atomic adds is not fixed."""
-    grad = int32_inner_offsets(grad)
     batch, seq_len, hidden = grad.shape
     acc = torch.zeros((2, num_positions, hidden), dtype=torch.float32, device=grad.device)
-    num_rows = batch * seq_len
-    if num_rows == 0 or hidden == 0:
+    if batch * seq_len == 0 or hidden == 0:
         return acc
-    block_rows, block_d, num_warps = gather_launch_config(hidden, interpreting())
-    grid = (triton.cdiv(num_rows, block_rows), triton.cdiv(hidden, block_d))
-    _position_embeddings_backward_kernel[grid](
-        grad,
-        position_ids,
-        padding_positions.view(torch.uint8),
+    ids, padding = flat_ids(position_ids, padding_positions)
+    grad_rows = as_rows(grad)
+    block_rows, block_d, num_warps = launch_config(hidden, interpreting())
+    _position_embeddings_backward_kernel[(triton.cdiv(ids.shape[0], block_rows),)](
+        grad_rows,
+        ids,
+        padding,
         acc,
-        num_rows,
-        seq_len,
+        ids.shape[0],
         num_positions,
-        hidden,
-        *grad.stride(),
-        *position_ids.stride(),
-        *padding_positions.stride(),
+        grad_rows.stride(0),
+        acc.stride(0),
+        HIDDEN=hidden,
+        OFFSETS=offset_dtype(acc, grad_rows),
         BLOCK_ROWS=block_rows,
         BLOCK_D=block_d,
         num_warps=num_warps,

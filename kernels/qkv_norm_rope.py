@@ -4,30 +4,164 @@ q and k, with cos and sin computed from each token's (x, y) position and the tow
 
 A head of d = 4F channels is four quarters of F: RoPE rotates quarter 0 with quarter 1 by the x angle and
 quarter 2 with quarter 3 by the y angle (stock's split into x and y halves, then ``rotate_half`` in each).
-Each program owns BLOCK_T tokens of one head and loads each quarter once. Every value is rounded to the
-hidden dtype where stock rounds it: the norm's output, cos and sin, each RoPE product and their sum.
+Each program owns BLOCK_T tokens and every head of them. It computes each token's cos and sin once, then
+walks the heads in power-of-two groups (16, or 12 = 8 + 4), each quarter a (tokens, heads, F) block cut
+into a power-of-two main part and a tail (18 = 16 + 2), so no lane holds a channel past the quarter. Every
+value is rounded to the hidden dtype where stock rounds it: the norm's output, cos and sin, each RoPE
+product and their sum, the products and the sum in the dtype's own arithmetic.
 """
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
-from .common import TORCH_TO_TL, clamp, clamp_bounds, interpreting, launcher, rms_inverse, round_to
+from .common import (
+    INTERPRETED,
+    TORCH_TO_TL,
+    add_rounded,
+    as_rows,
+    clamp,
+    clamp_bounds,
+    interpreting,
+    launcher,
+    mul_rounded,
+    offset_dtype,
+    rms_inverse,
+    round_to,
+    row_parts,
+    sub_rounded,
+)
 
-
-@triton.jit
-def _rotate(a, b, cos, sin, DTYPE: tl.constexpr):
-    """Stock's ``x * cos + rotate_half(x) * sin`` on the pair of quarters (a, b), in DTYPE arithmetic."""
-    rotated_a = round_to(round_to(a * cos, DTYPE).to(tl.float32) + round_to(-b * sin, DTYPE).to(tl.float32), DTYPE)
-    rotated_b = round_to(round_to(b * cos, DTYPE).to(tl.float32) + round_to(a * sin, DTYPE).to(tl.float32), DTYPE)
-    return rotated_a, rotated_b
+# 2 pi = TWO_PI_HIGH + TWO_PI_LOW, the first with 8 significant bits: n * TWO_PI_HIGH is exact in fp32.
+TWO_PI_HIGH = tl.constexpr(6.28125)
+TWO_PI_LOW = tl.constexpr(0.0019353071795864769)
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
 def _cos_sin(position, inv_freq, DTYPE: tl.constexpr):
-    """Stock's rotary cos and sin of ``position * inv_freq`` in fp32, rounded to DTYPE."""
+    """Stock's rotary cos and sin of ``position * inv_freq`` in fp32, rounded to DTYPE: (tokens, 1, F) blocks.
+
+    fp32 (and the interpreter) take libm's. bf16 and fp16 reduce the angle by 2 pi in two exact steps and
+    take the hardware's sin and cos (within 2**-21 on [-pi, pi]): far within one rounding of the dtype."""
     angle = position[:, None] * inv_freq[None, :]
-    return round_to(tl.cos(angle), DTYPE).to(tl.float32), round_to(tl.sin(angle), DTYPE).to(tl.float32)
+    if INTERPRETED or DTYPE == tl.float32:
+        cos, sin = tl.cos(angle), tl.sin(angle)
+    else:
+        turns = libdevice.rint(angle * INV_TWO_PI)
+        reduced = tl.fma(-turns, TWO_PI_LOW, tl.fma(-turns, TWO_PI_HIGH, angle))
+        cos, sin = libdevice.fast_cosf(reduced), libdevice.fast_sinf(reduced)
+    return round_to(cos, DTYPE)[:, None, :], round_to(sin, DTYPE)[:, None, :]
+
+
+@triton.jit
+def _load(ptrs, f, F: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 values at channels ``f`` of a quarter; zeros past it where the part is masked."""
+    if MASKED:
+        return tl.load(ptrs, mask=f < F, other=0.0).to(tl.float32)
+    else:
+        return tl.load(ptrs).to(tl.float32)
+
+
+@triton.jit
+def _store(ptrs, value, f, F: tl.constexpr, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptrs, value, mask=f < F)
+    else:
+        tl.store(ptrs, value)
+
+
+@triton.jit
+def _clamped(x, low, high, HAS_CLAMPS: tl.constexpr):
+    """Gemma4ClippableLinear's output clamp, in the hidden dtype."""
+    return clamp(x, low, high) if HAS_CLAMPS else x
+
+
+@triton.jit
+def _normed(x, inverse, weights, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+            DTYPE: tl.constexpr):  # fmt: skip
+    """Stock's order: x * pow(...), then * weight, each in fp32; one rounding to the hidden dtype."""
+    x = x * inverse
+    if HAS_WEIGHT:
+        x = x * _load(weights, f, F, MASKED)
+    return round_to(x, DTYPE)
+
+
+@triton.jit
+def _rotated(a, b, cos, sin, DTYPE: tl.constexpr):
+    """Stock's ``x * cos + rotate_half(x) * sin`` on a pair of quarters (a, b), in DTYPE arithmetic."""
+    rotated_a = sub_rounded(mul_rounded(a, cos, DTYPE), mul_rounded(b, sin, DTYPE), DTYPE)
+    rotated_b = add_rounded(mul_rounded(b, cos, DTYPE), mul_rounded(a, sin, DTYPE), DTYPE)
+    return rotated_a, rotated_b
+
+
+@triton.jit
+def _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, f, F: tl.constexpr,
+          MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_CLAMPS: tl.constexpr, ROPE: tl.constexpr,
+          DTYPE: tl.constexpr):  # fmt: skip
+    """Normalise (and rotate) one part of each quarter, given the heads' inverse RMS, and store it."""
+    n0 = _normed(_clamped(_load(source + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse, weight_ptr + f, f, F,
+                 MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
+    n1 = _normed(_clamped(_load(source + F + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse, weight_ptr + F + f,
+                 f, F, MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
+    n2 = _normed(_clamped(_load(source + 2 * F + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse,
+                 weight_ptr + 2 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
+    n3 = _normed(_clamped(_load(source + 3 * F + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse,
+                 weight_ptr + 3 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
+    if ROPE:
+        n0, n1 = _rotated(n0, n1, cos_x, sin_x, DTYPE)
+        n2, n3 = _rotated(n2, n3, cos_y, sin_y, DTYPE)
+    _store(target + f, n0, f, F, MASKED)
+    _store(target + F + f, n1, f, F, MASKED)
+    _store(target + 2 * F + f, n2, f, F, MASKED)
+    _store(target + 3 * F + f, n3, f, F, MASKED)
+
+
+@triton.jit
+def _sum_squares(source, low, high, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_CLAMPS: tl.constexpr):
+    """Each head's sum of squares over one part of its four quarters."""
+    squares = tl.zeros(source.shape, tl.float32)
+    for quarter in tl.static_range(4):
+        x = _clamped(_load(source + quarter * F + f, f, F, MASKED), low, high, HAS_CLAMPS)
+        squares = tl.fma(x, x, squares)  # one instruction: the kernel is built without fp fusion
+    return tl.sum(squares, axis=2)
+
+
+@triton.jit
+def _heads(source, target, weight_ptr, low, high, rotary, eps, FIRST: tl.constexpr, HEADS: tl.constexpr,
+           F: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+           HAS_CLAMPS: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """Heads FIRST to FIRST + HEADS of one projection for the block's tokens: ``source`` and ``target`` are
+    the tokens' rows in the projections and in the output. The inputs are read twice, for the sums and
+    for the outputs: the second read hits L1, and no value waits in a register across the reduction."""
+    heads = (FIRST + tl.arange(0, HEADS))[None, :, None] * (4 * F)
+    source, target = source[:, None, None] + heads, target[:, None, None] + heads
+    main = tl.arange(0, MAIN)[None, None, :]
+    tail = MAIN + tl.arange(0, max(TAIL, 1))[None, None, :]
+    MASK_TAIL: tl.constexpr = MAIN + TAIL > F
+    sum_squares = _sum_squares(source + main * 0, low, high, main, F, False, HAS_CLAMPS)
+    if TAIL > 0:
+        sum_squares += _sum_squares(source + tail * 0, low, high, tail, F, MASK_TAIL, HAS_CLAMPS)
+    inverse = rms_inverse(sum_squares, 4 * F, eps)[:, :, None]
+    cos_x, sin_x, cos_y, sin_y = rotary[0], rotary[1], rotary[2], rotary[3]
+    _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, main, F, False, HAS_WEIGHT,
+          HAS_CLAMPS, ROPE, DTYPE)  # fmt: skip
+    if TAIL > 0:
+        cos_x, sin_x, cos_y, sin_y = rotary[4], rotary[5], rotary[6], rotary[7]
+        _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, tail, F, MASK_TAIL,
+              HAS_WEIGHT, HAS_CLAMPS, ROPE, DTYPE)  # fmt: skip
+
+
+@triton.jit
+def _projection(source, target, weight_ptr, low, high, rotary, eps, HEADS: tl.constexpr, F: tl.constexpr,
+                MAIN: tl.constexpr, TAIL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_CLAMPS: tl.constexpr,
+                ROPE: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """All HEADS heads of one projection, in power-of-two groups (its binary digits, largest first)."""
+    for bit in tl.static_range(7, -1, -1):
+        if HEADS >> bit & 1:
+            _heads(source, target, weight_ptr, low, high, rotary, eps, HEADS >> (bit + 1) << (bit + 1), 1 << bit, F,
+                   MAIN, TAIL, HAS_WEIGHT, HAS_CLAMPS, ROPE, DTYPE)  # fmt: skip
 
 
 @triton.jit
@@ -42,92 +176,54 @@ def _qkv_norm_rope_kernel(
     k_ptr,
     v_ptr,
     num_tokens,
-    num_q_heads,
-    num_kv_heads,
-    head_dim_f,
     eps,
-    stride_qkv_t,
-    stride_ids_t,
-    stride_ids_axis,
-    stride_q_weight,
-    stride_k_weight,
+    stride_qkv,
     stride_inv_freq,
-    QUARTER: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    F: tl.constexpr,
+    MAIN: tl.constexpr,
+    TAIL: tl.constexpr,
     HAS_CLAMPS: tl.constexpr,
     DTYPE: tl.constexpr,
+    OFFSETS: tl.constexpr,
     BLOCK_T: tl.constexpr,
-    BLOCK_F: tl.constexpr,
 ):
-    # int64 tokens: T * H * d may exceed 2**31 elements.
-    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_F)
-    token_in = tokens < num_tokens
-    col_in = cols < QUARTER
-    tile_in = token_in[:, None] & col_in[None, :]
-
-    # The head's projection (0: q, 1: k, 2: v), its index there, its head count, weight and output.
-    is_q = head < num_q_heads
-    is_v = head >= num_q_heads + num_kv_heads
-    kind = tl.where(is_q, 0, tl.where(is_v, 2, 1))
-    local = head - tl.where(is_q, 0, tl.where(is_v, num_q_heads + num_kv_heads, num_q_heads))
-    heads = tl.where(is_q, num_q_heads, num_kv_heads)
-    weight_ptr = tl.where(is_q, q_weight_ptr, k_weight_ptr)
-    stride_weight = tl.where(is_q, stride_q_weight, stride_k_weight)
-    out_ptr = tl.where(is_q, q_ptr, tl.where(is_v, v_ptr, k_ptr))
-
-    source = qkv_ptr + tokens[:, None] * stride_qkv_t + head * (4 * QUARTER) + cols[None, :]
-    x0 = tl.load(source, mask=tile_in, other=0.0).to(tl.float32)
-    x1 = tl.load(source + QUARTER, mask=tile_in, other=0.0).to(tl.float32)
-    x2 = tl.load(source + 2 * QUARTER, mask=tile_in, other=0.0).to(tl.float32)
-    x3 = tl.load(source + 3 * QUARTER, mask=tile_in, other=0.0).to(tl.float32)
+    # The last program's tokens past the end repeat the last token, rewriting it with the same values.
+    tokens = tl.minimum(tl.program_id(0).to(OFFSETS) * BLOCK_T + tl.arange(0, BLOCK_T), num_tokens - 1)
+    position_x = tl.load(ids_ptr + 2 * tokens).to(tl.float32)
+    position_y = tl.load(ids_ptr + 2 * tokens + 1).to(tl.float32)
+    main = tl.arange(0, MAIN)
+    inv_freq = tl.load(inv_freq_ptr + main * stride_inv_freq)
+    rotary = _cos_sin(position_x, inv_freq, DTYPE) + _cos_sin(position_y, inv_freq, DTYPE)
+    if TAIL > 0:
+        tail = MAIN + tl.arange(0, TAIL)
+        inv_freq = tl.load(inv_freq_ptr + tail * stride_inv_freq, mask=tail < F, other=0.0)
+        rotary += _cos_sin(position_x, inv_freq, DTYPE) + _cos_sin(position_y, inv_freq, DTYPE)
+    q_low, q_high, k_low, k_high, v_low, v_high = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if HAS_CLAMPS:
-        # Gemma4ClippableLinear's output clamp, in the hidden dtype.
-        low, high = clamp_bounds(clamps_ptr, kind, DTYPE)
-        x0, x1 = clamp(x0, low, high), clamp(x1, low, high)
-        x2, x3 = clamp(x2, low, high), clamp(x3, low, high)
-    sum_squares = tl.sum(x0 * x0, axis=1) + tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1) + tl.sum(x3 * x3, axis=1)
-    inverse = rms_inverse(sum_squares, head_dim_f, eps)[:, None]
+        q_low, q_high = clamp_bounds(clamps_ptr, 0, DTYPE)
+        k_low, k_high = clamp_bounds(clamps_ptr, 1, DTYPE)
+        v_low, v_high = clamp_bounds(clamps_ptr, 2, DTYPE)
 
-    # v_norm has no scale: a weight of 1 multiplies exactly.
-    weight = weight_ptr + cols * stride_weight
-    w0 = tl.where(is_v, 1.0, tl.load(weight, mask=col_in, other=0.0).to(tl.float32))
-    w1 = tl.where(is_v, 1.0, tl.load(weight + QUARTER * stride_weight, mask=col_in, other=0.0).to(tl.float32))
-    w2 = tl.where(is_v, 1.0, tl.load(weight + 2 * QUARTER * stride_weight, mask=col_in, other=0.0).to(tl.float32))
-    w3 = tl.where(is_v, 1.0, tl.load(weight + 3 * QUARTER * stride_weight, mask=col_in, other=0.0).to(tl.float32))
-    # Stock's order: x * pow(...), then * weight, each in fp32; one rounding to the hidden dtype.
-    n0 = round_to(x0 * inverse * w0[None, :], DTYPE).to(tl.float32)
-    n1 = round_to(x1 * inverse * w1[None, :], DTYPE).to(tl.float32)
-    n2 = round_to(x2 * inverse * w2[None, :], DTYPE).to(tl.float32)
-    n3 = round_to(x3 * inverse * w3[None, :], DTYPE).to(tl.float32)
-
-    if is_v:
-        o0, o1, o2, o3 = round_to(n0, DTYPE), round_to(n1, DTYPE), round_to(n2, DTYPE), round_to(n3, DTYPE)
-    else:
-        ids = ids_ptr + tokens * stride_ids_t
-        position_x = tl.load(ids, mask=token_in, other=0).to(tl.float32)
-        position_y = tl.load(ids + stride_ids_axis, mask=token_in, other=0).to(tl.float32)
-        inv_freq = tl.load(inv_freq_ptr + cols * stride_inv_freq, mask=col_in, other=0.0)
-        cos_x, sin_x = _cos_sin(position_x, inv_freq, DTYPE)
-        cos_y, sin_y = _cos_sin(position_y, inv_freq, DTYPE)
-        o0, o1 = _rotate(n0, n1, cos_x, sin_x, DTYPE)
-        o2, o3 = _rotate(n2, n3, cos_y, sin_y, DTYPE)
-
-    out = out_ptr + (tokens[:, None] * heads + local) * (4 * QUARTER) + cols[None, :]
-    tl.store(out, o0, mask=tile_in)
-    tl.store(out + QUARTER, o1, mask=tile_in)
-    tl.store(out + 2 * QUARTER, o2, mask=tile_in)
-    tl.store(out + 3 * QUARTER, o3, mask=tile_in)
+    D: tl.constexpr = 4 * F
+    source = qkv_ptr + tokens * stride_qkv
+    _projection(source, q_ptr + tokens * (HEADS * D), q_weight_ptr, q_low, q_high, rotary, eps, HEADS, F, MAIN, TAIL,
+                True, HAS_CLAMPS, True, DTYPE)  # fmt: skip
+    source += HEADS * D
+    _projection(source, k_ptr + tokens * (KV_HEADS * D), k_weight_ptr, k_low, k_high, rotary, eps, KV_HEADS, F,
+                MAIN, TAIL, True, HAS_CLAMPS, True, DTYPE)  # fmt: skip
+    source += KV_HEADS * D
+    # v_norm has no scale and v no RoPE.
+    _projection(source, v_ptr + tokens * (KV_HEADS * D), k_weight_ptr, v_low, v_high, rotary, eps, KV_HEADS, F,
+                MAIN, TAIL, False, HAS_CLAMPS, False, DTYPE)  # fmt: skip
 
 
-def launch_config(quarter: int, interpreted: bool) -> tuple[int, int, int]:
-    """(BLOCK_T, BLOCK_F, num_warps): 256-element quarter tiles on a GPU at 8 warps, one value per thread
-    per quarter, the shape that spills on no target under Triton 3.6 to 3.9 (512 at 4 or 8 warps, and 1024,
-    spill 8 to 12 bytes on some: bench/tools/build_matrix.py); the interpreter pays per program: more tokens."""
-    block_f = triton.next_power_of_2(quarter)
-    if interpreted:
-        return 128, block_f, 1
-    return max(1, 256 // block_f), block_f, 8
+def launch_config(interpreted: bool) -> tuple[int, int]:
+    """(BLOCK_T, num_warps): 4 tokens a program on 2 warps, the fewest instructions per element on sm_90a
+    (bench/tools/speed_of_light.py), 20,160 programs at 80,640 tokens; the interpreter pays per program:
+    32 tokens."""
+    return (32, 1) if interpreted else (4, 2)
 
 
 @launcher
@@ -143,19 +239,20 @@ def qkv_norm_rope(
     clamps: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Launch on already-validated inputs; returns new contiguous (T, H, d) q and (T, Hkv, d) k and v."""
-    if qkv.stride(-1) != 1:
-        qkv = qkv.contiguous()
+    qkv = as_rows(qkv)
+    q_weight, k_weight = q_weight.contiguous(), k_weight.contiguous()
     num_tokens, head_dim = qkv.shape[0], q_weight.shape[0]
     q = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     k = torch.empty((num_tokens, num_kv_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     v = torch.empty_like(k)
     if num_tokens == 0:
         return q, k, v
-    block_t, block_f, num_warps = launch_config(head_dim // 4, interpreting())
-    grid = (triton.cdiv(num_tokens, block_t), num_heads + 2 * num_kv_heads)
-    _qkv_norm_rope_kernel[grid](
+    quarter = head_dim // 4
+    main, tail = row_parts(quarter)
+    block_t, num_warps = launch_config(interpreting())
+    _qkv_norm_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
         qkv,
-        position_ids,
+        position_ids.contiguous(),
         q_weight,
         k_weight,
         inv_freq,
@@ -164,21 +261,19 @@ def qkv_norm_rope(
         k,
         v,
         num_tokens,
-        num_heads,
-        num_kv_heads,
-        float(head_dim),
         eps,
         qkv.stride(0),
-        *position_ids.stride(),
-        q_weight.stride(0),
-        k_weight.stride(0),
         inv_freq.stride(0),
-        QUARTER=head_dim // 4,
+        HEADS=num_heads,
+        KV_HEADS=num_kv_heads,
+        F=quarter,
+        MAIN=main,
+        TAIL=tail,
         HAS_CLAMPS=clamps is not None,
         DTYPE=TORCH_TO_TL[qkv.dtype],
+        OFFSETS=offset_dtype(qkv, q, k),
         BLOCK_T=block_t,
-        BLOCK_F=block_f,
         num_warps=num_warps,
-        enable_fp_fusion=False,  # stock rounds each RoPE product before the sum: no fma
+        enable_fp_fusion=False,  # stock rounds each product before the sum: no fma
     )
     return q, k, v

@@ -1,21 +1,57 @@
 """Gemma 4's residual add between two RMS norms in one pass: h = residual + post_norm(x), y = next_norm(h).
 
-Each program owns BLOCK_ROWS whole rows (both norms reduce over D) in fp32 registers. Values round to the
-hidden dtype where stock's modules round them: post_norm's output before the add, h, and y.
+Each program owns ROWS whole rows (both norms reduce over D), one at a time in fp32 registers, and reads
+the two weights once. A row is cut into a power-of-two main part and a tail (1152 = 1024 + 128,
+768 = 512 + 256), so no lane holds a column past D. Values round to the hidden dtype where stock's
+modules round them: post_norm's output before the add, h, and y.
 """
 
 import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, as_rows, interpreting, launcher, rms_inverse, round_to
+from .common import (
+    TORCH_TO_TL,
+    add_rounded,
+    as_rows,
+    interpreting,
+    launcher,
+    offset_dtype,
+    rms_inverse,
+    round_to,
+    row_parts,
+)
 
 
 @triton.jit
-def _norm(x, weight, hidden_f, eps, DTYPE: tl.constexpr):
-    """Gemma4RMSNorm on fp32 rows: ``x * pow(mean(x²) + eps, -0.5)``, then ``* weight``, rounded once."""
-    inverse = rms_inverse(tl.sum(x * x, axis=1), hidden_f, eps)
-    return round_to(x * inverse[:, None] * weight[None, :], DTYPE)
+def _load_tail(ptr, tail, HIDDEN: tl.constexpr, MASK_TAIL: tl.constexpr):
+    """The tail part of a row, masked only where it passes D (a tail rounded up to a power of two)."""
+    if MASK_TAIL:
+        return tl.load(ptr + tail, mask=tail < HIDDEN, other=0.0)
+    else:
+        return tl.load(ptr + tail)
+
+
+@triton.jit
+def _store_tail(ptr, tail, value, HIDDEN: tl.constexpr, MASK_TAIL: tl.constexpr):
+    if MASK_TAIL:
+        tl.store(ptr + tail, value, mask=tail < HIDDEN)
+    else:
+        tl.store(ptr + tail, value)
+
+
+@triton.jit
+def _norm(x_main, x_tail, w_main, w_tail, eps, HIDDEN: tl.constexpr, TAIL: tl.constexpr, DTYPE: tl.constexpr):
+    """Gemma4RMSNorm on an fp32 row cut in two: ``x * pow(mean(x²) + eps, -0.5)``, then ``* weight``, rounded."""
+    sum_squares = tl.sum(x_main * x_main, axis=0)
+    if TAIL > 0:
+        sum_squares += tl.sum(x_tail * x_tail, axis=0)
+    inverse = rms_inverse(sum_squares, HIDDEN, eps)
+    y_main = round_to(x_main * inverse * w_main, DTYPE)
+    y_tail = y_main
+    if TAIL > 0:
+        y_tail = round_to(x_tail * inverse * w_tail, DTYPE)
+    return y_main, y_tail
 
 
 @triton.jit
@@ -27,44 +63,62 @@ def _residual_rms_norm_kernel(
     h_ptr,
     y_ptr,
     num_rows,
-    hidden,
-    hidden_f,
     eps,
     stride_x,
     stride_residual,
     stride_post_weight,
     stride_next_weight,
+    HIDDEN: tl.constexpr,
+    MAIN: tl.constexpr,
+    TAIL: tl.constexpr,
+    MASK_TAIL: tl.constexpr,
     HAS_NEXT: tl.constexpr,
     DTYPE: tl.constexpr,
-    BLOCK_ROWS: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    OFFSETS: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    # int64 rows: rows * D may exceed 2**31 elements.
-    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    cols = tl.arange(0, BLOCK_D)
-    col_in = cols < hidden
-    tile_in = (rows < num_rows)[:, None] & col_in[None, :]
+    # A row a block, as 1-D parts whose sums are scalars: the two parts never meet in one layout.
+    main = tl.arange(0, MAIN)
+    post_main = tl.load(post_weight_ptr + main * stride_post_weight).to(tl.float32)
+    next_main = tl.load(next_weight_ptr + main * stride_next_weight).to(tl.float32)
+    post_tail, next_tail = post_main, next_main
+    if TAIL > 0:
+        tail = MAIN + tl.arange(0, TAIL)
+        post_tail = _load_tail(post_weight_ptr, tail * stride_post_weight, HIDDEN, MASK_TAIL).to(tl.float32)
+        next_tail = _load_tail(next_weight_ptr, tail * stride_next_weight, HIDDEN, MASK_TAIL).to(tl.float32)
+    for block in tl.static_range(ROWS):
+        # The last program's rows past the end repeat the last row, rewriting it with the same values: no masks.
+        row = tl.minimum(tl.program_id(0).to(OFFSETS) * ROWS + block, num_rows - 1)
+        x_row, residual_row = x_ptr + row * stride_x, residual_ptr + row * stride_residual
+        h_row, y_row = h_ptr + row * HIDDEN, y_ptr + row * HIDDEN
+        x_main = tl.load(x_row + main).to(tl.float32)
+        r_main = tl.load(residual_row + main)
+        x_tail, r_tail = x_main, r_main
+        if TAIL > 0:
+            x_tail = _load_tail(x_row, tail, HIDDEN, MASK_TAIL).to(tl.float32)
+            r_tail = _load_tail(residual_row, tail, HIDDEN, MASK_TAIL)
+        # Stock rounds post_norm's output to the hidden dtype, then adds it to the residual in that dtype.
+        n_main, n_tail = _norm(x_main, x_tail, post_main, post_tail, eps, HIDDEN, TAIL, DTYPE)
+        h_main = add_rounded(r_main, n_main, DTYPE)
+        tl.store(h_row + main, h_main)
+        h_tail = h_main
+        if TAIL > 0:
+            h_tail = add_rounded(r_tail, n_tail, DTYPE)
+            _store_tail(h_row, tail, h_tail, HIDDEN, MASK_TAIL)
+        if HAS_NEXT:
+            y_main, y_tail = _norm(
+                h_main.to(tl.float32), h_tail.to(tl.float32), next_main, next_tail, eps, HIDDEN, TAIL, DTYPE
+            )
+            tl.store(y_row + main, y_main)
+            if TAIL > 0:
+                _store_tail(y_row, tail, y_tail, HIDDEN, MASK_TAIL)
 
-    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=tile_in, other=0.0).to(tl.float32)
-    residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=tile_in, other=0.0)
-    post_weight = tl.load(post_weight_ptr + cols * stride_post_weight, mask=col_in, other=0.0).to(tl.float32)
-    # Stock rounds post_norm's output to the hidden dtype, then adds it to the residual: one more rounding.
-    normed = _norm(x, post_weight, hidden_f, eps, DTYPE).to(tl.float32)
-    h = round_to(residual.to(tl.float32) + normed, DTYPE)
-    out = rows[:, None] * hidden + cols[None, :]
-    tl.store(h_ptr + out, h, mask=tile_in)
-    if HAS_NEXT:
-        next_weight = tl.load(next_weight_ptr + cols * stride_next_weight, mask=col_in, other=0.0).to(tl.float32)
-        tl.store(y_ptr + out, _norm(h.to(tl.float32), next_weight, hidden_f, eps, DTYPE), mask=tile_in)
 
-
-def launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]:
-    """(BLOCK_ROWS, BLOCK_D, num_warps): whole rows; about 4096 values per program on a GPU (16 per thread at
-    8 warps), and many rows per program under the interpreter, which pays per program."""
-    block_d = triton.next_power_of_2(hidden)
-    if interpreted:
-        return max(1, 8192 // block_d), block_d, 1
-    return max(1, 4096 // block_d), block_d, 8 if block_d >= 1024 else 4
+def launch_config(interpreted: bool) -> tuple[int, int]:
+    """(ROWS, num_warps): one warp a program, which reduces each row within itself, and 16 rows a program
+    reusing the weights from registers (5,040 programs at 80,640 rows). The interpreter pays per program
+    and per operation alike: 8 rows."""
+    return (8, 1) if interpreted else (16, 1)
 
 
 @launcher
@@ -82,27 +136,31 @@ def residual_rms_norm(
         return h, y
     x_rows, residual_rows = as_rows(x), as_rows(residual)
     num_rows, hidden = x_rows.shape
-    block_rows, block_d, num_warps = launch_config(hidden, interpreting())
-    _residual_rms_norm_kernel[(triton.cdiv(num_rows, block_rows),)](
+    main, tail = row_parts(hidden)
+    rows_per_program, num_warps = launch_config(interpreting())
+    next_weight_arg = post_weight if next_weight is None else next_weight  # a pointer HAS_NEXT keeps from being read
+    _residual_rms_norm_kernel[(triton.cdiv(num_rows, rows_per_program),)](
         x_rows,
         residual_rows,
         post_weight,
-        post_weight if next_weight is None else next_weight,  # a pointer HAS_NEXT keeps from being read
+        next_weight_arg,
         h,
         h if y is None else y,
         num_rows,
-        hidden,
-        float(hidden),
         eps,
         x_rows.stride(0),
         residual_rows.stride(0),
         post_weight.stride(0),
-        (post_weight if next_weight is None else next_weight).stride(0),
+        next_weight_arg.stride(0),
+        HIDDEN=hidden,
+        MAIN=main,
+        TAIL=tail,
+        MASK_TAIL=main + tail > hidden,
         HAS_NEXT=next_weight is not None,
         DTYPE=TORCH_TO_TL[x.dtype],
-        BLOCK_ROWS=block_rows,
-        BLOCK_D=block_d,
+        OFFSETS=offset_dtype(x_rows, residual_rows, h),
+        ROWS=rows_per_program,
         num_warps=num_warps,
-        enable_fp_fusion=False,  # stock rounds post_norm's product before the residual add: no fma
+        enable_fp_fusion=False,  # stock rounds each product and sum apart: no fma
     )
     return h, y

@@ -81,7 +81,7 @@ def test_pooler_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config
 
 @pytest.mark.parametrize("dtype,config", candidates(patch_embed_kernels), ids=candidate_id)
 def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
-    tuned = _FixedConfig(patch_embed_kernels._patch_embed_kernel, config)
+    tuned = _FixedConfig(patch_embed_kernels._patch_embed_tuned.fn, config)  # its heuristics, then the kernel
     monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", tuned)
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
