@@ -40,18 +40,19 @@ INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
-def _cos_sin(position, inv_freq, DTYPE: tl.constexpr):
+def _cos_sin(position, inv_freq, FAST_TRIG: tl.constexpr, DTYPE: tl.constexpr):
     """Stock's rotary cos and sin of ``position * inv_freq`` in fp32, rounded to DTYPE: (tokens, 1, F) blocks.
 
-    fp32 (and the interpreter) take libm's. bf16 and fp16 reduce the angle by 2 pi in two exact steps and
-    take the hardware's sin and cos (within 2**-21 on [-pi, pi]): far within one rounding of the dtype."""
+    With FAST_TRIG (bf16 and fp16 on NVIDIA GPUs, compiled), the angle reduced by 2 pi in two exact steps and the
+    hardware's sin and cos (within 2**-21 on [-pi, pi]): far within one rounding of the dtype. Otherwise
+    libm's, as fp32 needs (and AMD's libdevice has no approximate pair)."""
     angle = position[:, None] * inv_freq[None, :]
-    if INTERPRETED or DTYPE == tl.float32:
-        cos, sin = tl.cos(angle), tl.sin(angle)
-    else:
+    if FAST_TRIG and DTYPE != tl.float32 and not INTERPRETED:  # the interpreter has no approximate pair
         turns = libdevice.rint(angle * INV_TWO_PI)
         reduced = tl.fma(-turns, TWO_PI_LOW, tl.fma(-turns, TWO_PI_HIGH, angle))
         cos, sin = libdevice.fast_cosf(reduced), libdevice.fast_sinf(reduced)
+    else:
+        cos, sin = tl.cos(angle), tl.sin(angle)
     return round_to(cos, DTYPE)[:, None, :], round_to(sin, DTYPE)[:, None, :]
 
 
@@ -119,13 +120,32 @@ def _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, s
 
 
 @triton.jit
-def _sum_squares(source, low, high, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_CLAMPS: tl.constexpr):
-    """Each head's sum of squares over one part of its four quarters."""
+def _quarter_sum_squares(source, low, high, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_CLAMPS: tl.constexpr):
+    """Each head's sum of squares over one part of its four quarters: the loads the outputs' pass repeats,
+    which the compiler then reads once."""
     squares = tl.zeros(source.shape, tl.float32)
     for quarter in tl.static_range(4):
         x = _clamped(_load(source + quarter * F + f, f, F, MASKED), low, high, HAS_CLAMPS)
         squares = tl.fma(x, x, squares)  # one instruction: the kernel is built without fp fusion
     return tl.sum(squares, axis=2)
+
+
+@triton.jit
+def _row_sum_squares(source, low, high, D: tl.constexpr, HAS_CLAMPS: tl.constexpr):
+    """Each head's sum of squares over its row of D channels as one contiguous vector (a power-of-two main
+    part and tail, as ``row_parts``: 72 = 64 + 8): aligned 16-byte loads in one layout where the quarters'
+    offsets are not (36 bytes apart at d = 72), which would cost a layout change per quarter."""
+    ROW_MAIN: tl.constexpr = 1 << (D.bit_length() - 1)
+    ROW_TAIL: tl.constexpr = 0 if ROW_MAIN == D else 1 << (D - ROW_MAIN - 1).bit_length()
+    channels = tl.arange(0, ROW_MAIN)[None, None, :]
+    x = _clamped(tl.load(source + channels).to(tl.float32), low, high, HAS_CLAMPS)
+    sum_squares = tl.sum(x * x, axis=2)
+    if ROW_TAIL > 0:
+        channels = ROW_MAIN + tl.arange(0, ROW_TAIL)[None, None, :]
+        x = _clamped(_load(source + channels, channels - ROW_MAIN, D - ROW_MAIN, ROW_MAIN + ROW_TAIL > D), low,
+                     high, HAS_CLAMPS)  # fmt: skip
+        sum_squares += tl.sum(x * x, axis=2)
+    return sum_squares
 
 
 @triton.jit
@@ -140,9 +160,12 @@ def _heads(source, target, weight_ptr, low, high, rotary, eps, FIRST: tl.constex
     main = tl.arange(0, MAIN)[None, None, :]
     tail = MAIN + tl.arange(0, max(TAIL, 1))[None, None, :]
     MASK_TAIL: tl.constexpr = MAIN + TAIL > F
-    sum_squares = _sum_squares(source + main * 0, low, high, main, F, False, HAS_CLAMPS)
-    if TAIL > 0:
-        sum_squares += _sum_squares(source + tail * 0, low, high, tail, F, MASK_TAIL, HAS_CLAMPS)
+    if (F * DTYPE.primitive_bitwidth) % 128 == 0:  # every quarter starts on a 16-byte boundary
+        sum_squares = _quarter_sum_squares(source + main * 0, low, high, main, F, False, HAS_CLAMPS)
+        if TAIL > 0:
+            sum_squares += _quarter_sum_squares(source + tail * 0, low, high, tail, F, MASK_TAIL, HAS_CLAMPS)
+    else:
+        sum_squares = _row_sum_squares(source, low, high, 4 * F, HAS_CLAMPS)
     inverse = rms_inverse(sum_squares, 4 * F, eps)[:, :, None]
     cos_x, sin_x, cos_y, sin_y = rotary[0], rotary[1], rotary[2], rotary[3]
     _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, main, F, False, HAS_WEIGHT,
@@ -186,6 +209,7 @@ def _qkv_norm_rope_kernel(
     TAIL: tl.constexpr,
     HAS_CLAMPS: tl.constexpr,
     DTYPE: tl.constexpr,
+    FAST_TRIG: tl.constexpr,
     OFFSETS: tl.constexpr,
     BLOCK_T: tl.constexpr,
 ):
@@ -195,11 +219,11 @@ def _qkv_norm_rope_kernel(
     position_y = tl.load(ids_ptr + 2 * tokens + 1).to(tl.float32)
     main = tl.arange(0, MAIN)
     inv_freq = tl.load(inv_freq_ptr + main * stride_inv_freq)
-    rotary = _cos_sin(position_x, inv_freq, DTYPE) + _cos_sin(position_y, inv_freq, DTYPE)
+    rotary = _cos_sin(position_x, inv_freq, FAST_TRIG, DTYPE) + _cos_sin(position_y, inv_freq, FAST_TRIG, DTYPE)
     if TAIL > 0:
         tail = MAIN + tl.arange(0, TAIL)
         inv_freq = tl.load(inv_freq_ptr + tail * stride_inv_freq, mask=tail < F, other=0.0)
-        rotary += _cos_sin(position_x, inv_freq, DTYPE) + _cos_sin(position_y, inv_freq, DTYPE)
+        rotary += _cos_sin(position_x, inv_freq, FAST_TRIG, DTYPE) + _cos_sin(position_y, inv_freq, FAST_TRIG, DTYPE)
     q_low, q_high, k_low, k_high, v_low, v_high = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
     if HAS_CLAMPS:
         q_low, q_high = clamp_bounds(clamps_ptr, 0, DTYPE)
@@ -219,10 +243,16 @@ def _qkv_norm_rope_kernel(
                 MAIN, TAIL, False, HAS_CLAMPS, False, DTYPE)  # fmt: skip
 
 
+# Meta-parameters that follow from the GPU's vendor ("cuda" or "hip"): the tools that build for another
+# target apply them too.
+BACKEND_CONSTANTS = {"FAST_TRIG": lambda backend: backend == "cuda"}
+
+
 def launch_config(interpreted: bool) -> tuple[int, int]:
     """(BLOCK_T, num_warps): 4 tokens a program on 2 warps, the fewest instructions per element on sm_90a
-    (bench/tools/speed_of_light.py), 20,160 programs at 80,640 tokens; the interpreter pays per program:
-    32 tokens."""
+    (bench/tools/speed_of_light.py) of the spill-free configs on every target (2 tokens on 2 warps spill on
+    sm_100a and sm_120 at d = 64: bench/tools/build_matrix.py); 20,160 programs at 80,640 tokens. The
+    interpreter pays per program: 32 tokens."""
     return (32, 1) if interpreted else (4, 2)
 
 
@@ -271,6 +301,7 @@ def qkv_norm_rope(
         TAIL=tail,
         HAS_CLAMPS=clamps is not None,
         DTYPE=TORCH_TO_TL[qkv.dtype],
+        FAST_TRIG=BACKEND_CONSTANTS["FAST_TRIG"]("hip" if torch.version.hip else "cuda"),
         OFFSETS=offset_dtype(qkv, q, k),
         BLOCK_T=block_t,
         num_warps=num_warps,

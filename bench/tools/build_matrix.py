@@ -77,6 +77,9 @@ def compile_for(target: Target, launch: Launch, fp_fusion: bool | None = None):
     values divisible by 16 are marked so; ``fp_fusion``: Triton's default, or forced on or off. Returns
     the compiled kernel and, on NVIDIA, its ptxas -v log."""
     kernel, kwargs = launch.fn, dict(launch.kwargs)
+    # Constants a launcher derives from the device's vendor, as it would on this target.
+    for constant, rule in getattr(sys.modules[kernel.fn.__module__], "BACKEND_CONSTANTS", {}).items():
+        kwargs[constant] = rule(target.target.backend)
     options = {key: kwargs.pop(key) for key in ("num_warps", "num_stages", "enable_fp_fusion") if key in kwargs}
     if fp_fusion is not None:
         options["enable_fp_fusion"] = fp_fusion
