@@ -91,6 +91,66 @@ def test_build_matrix_compiles_and_fits(tmp_path):
     assert "| patch_embed | gfx942 |" in summary.stdout, summary.stdout
 
 
+SASS = """
+        /*0000*/                   LDC R1, c[0x0][0x28] ;
+.L_x_0:
+        /*0010*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0020*/                   FMUL R4, R4, R4 ;
+.L_x_1:
+        /*0030*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR12], R6 ;
+        /*0040*/              @!P0 BRA `(.L_x_1) ;
+        /*0050*/                   STG.E.64 desc[UR4][R2.64], R4 ;
+        /*0060*/               @P1 BRA `(.L_x_0) ;
+        /*0070*/                   EXIT ;
+.L_x_2:
+        /*0080*/                   BRA `(.L_x_2);
+        /*0090*/                   NOP;
+"""
+
+
+def speed_of_light_tool(monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "bench" / "tools"))
+    return __import__("speed_of_light")
+
+
+def test_speed_of_light_counts_loops_by_their_trips(monkeypatch):
+    """A loop's body counts its trip count times, a barrier's spin loop once, the padding after EXIT not
+    at all; loops other than those declared are not counted, which the gated target refuses."""
+    tool = speed_of_light_tool(monkeypatch)
+    found, labels = tool.instructions(SASS)
+    assert [text.split()[0] for _, text in found][-1] == "EXIT" and len(found) == 8
+    spans = tool.loops(found, labels)
+    assert spans == [(1, 6)]  # the TRYWAIT spin is no loop of work
+    assert tool.executed(found, spans, (10,)) == 2 + 6 * 10
+    assert tool.executed(found, spans, ()) is None
+    assert tool.widths(found, "LDG") == "128-128" and tool.widths(found, "STG") == "64-64"
+
+
+def test_speed_of_light_gate_bounds(monkeypatch):
+    tool = speed_of_light_tool(monkeypatch)
+    row = dict(target=tool.GATED_TARGET, gated=True, fraction=0.51)
+    assert not tool.passes(row) and tool.passes(row | dict(fraction=0.5))
+    assert tool.passes(row | dict(target="sm_80")) and tool.passes(row | dict(gated=False))
+    mma = dict(target=tool.GATED_TARGET, gated=True, per_mma=48.5)
+    assert not tool.passes(mma) and tool.passes(mma | dict(per_mma=48)) and not tool.passes(mma | dict(per_mma=None))
+
+
+def test_speed_of_light_reads_a_real_build(tmp_path):
+    """bench/tools/speed_of_light.py on one kernel's sm_90a build: hardware rounding, 128-bit accesses,
+    within half its issue budget."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    tool = [sys.executable, str(ROOT / "bench" / "tools" / "speed_of_light.py")]
+    result = subprocess.run(
+        tool + ["--targets", "sm_90a", "--kernels", "gelu_gate"], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.startswith("sm_90a")]
+    assert len(rows) == 2 and all(row.endswith(" ok") and "integer rounding" not in row for row in rows), rows
+    assert all("STG 128" in row or "-128" in row for row in rows), rows
+    interpreted = subprocess.run(tool, capture_output=True, text=True, env=env | {"TRITON_INTERPRET": "1"})
+    assert interpreted.returncode != 0 and "unset TRITON_INTERPRET" in interpreted.stderr
+
+
 def test_fp32_accumulation_emulates_fma_and_ranks_the_orders():
     """bench/fp32_accumulation.py, whose figures back the fp32 embedder's fp64 block sums: its fma rounds
     once, and on the test's K the orders rank as kernels/patch_embed.py says."""

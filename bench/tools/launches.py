@@ -4,6 +4,7 @@ encoder layers of both towers), so a build's specialisations match a real launch
 every shape class the launchers tell apart, and every autotune candidate of every dtype.
 """
 
+import sys
 from collections.abc import Callable
 from contextlib import ExitStack
 from typing import NamedTuple
@@ -42,15 +43,27 @@ class Capture:
     """Stands in for a kernel or its autotuner: records launches instead of running them."""
 
     def __init__(self):
-        self.launches = []
+        self.launches, self.grids = [], []
 
     def __getitem__(self, grid):
-        return lambda *args, **kwargs: self.launches.append((args, kwargs))
+        def launch(*args, **kwargs):
+            self.launches.append((args, kwargs))
+            self.grids.append(grid)
+
+        return launch
 
 
-def capture_launches(module, attributes: tuple[str, ...], call) -> list[tuple[tuple, dict]]:
+def programs(grid, meta: dict) -> int:
+    """How many programs a launch's grid (a tuple, or a function of the meta-parameters) holds."""
+    count = 1
+    for size in grid(meta) if callable(grid) else grid:
+        count *= size
+    return count
+
+
+def capture_launches(module, attributes: tuple[str, ...], call, grids: list | None = None) -> list[tuple[tuple, dict]]:
     """The (args, kwargs) of the one launch ``call`` makes of each kernel (or autotuner) of ``module``
-    named in ``attributes``, in that order, on the GPU's code path."""
+    named in ``attributes``, in that order, on the GPU's code path; their grids appended to ``grids``."""
     captures = [Capture() for _ in attributes]
     with ExitStack() as stack:
         stack.enter_context(mock.patch.object(module, "interpreting", lambda: False))
@@ -60,7 +73,16 @@ def capture_launches(module, attributes: tuple[str, ...], call) -> list[tuple[tu
     for attribute, capture in zip(attributes, captures):
         if len(capture.launches) != 1:
             raise RuntimeError(f"{module.__name__}.{attribute}: expected one launch, got {len(capture.launches)}")
+    if grids is not None:
+        grids.extend(capture.grids[0] for capture in captures)
     return [capture.launches[0] for capture in captures]
+
+
+def with_heuristics(kernel: triton.JITFunction, args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` and the meta-parameters its kernel module's ``HEURISTICS`` derive from the call."""
+    heuristics = getattr(sys.modules[kernel.fn.__module__], "HEURISTICS", {})
+    values = dict(zip(kernel.arg_names, args)) | kwargs
+    return kwargs | {name: rule(values) for name, rule in heuristics.items()}
 
 
 def name(dtype: torch.dtype) -> str:
@@ -178,4 +200,5 @@ def launches():
             dtype_label = f"{name(dtype)}, {name(pixel_dtype)} pixels"
             for variant, meta, offered in tuned_launches(patch_embed_kernels, dtype, dtype_label):
                 kernel = patch_embed_kernels._patch_embed_kernel
-                yield Launch("patch_embed", variant, kernel, args, kwargs | meta, offered)
+                meta = with_heuristics(kernel, args, kwargs | meta)
+                yield Launch("patch_embed", variant, kernel, args, meta, offered)
