@@ -5,6 +5,7 @@ Each op runs on T tokens, the case's real patches with the padding dropped, as t
 of 72, intermediate 4304), 768 the E2B/E4B tower's (with its clipped linears' clamps), 64 --tiny's.
 
 Providers: ``stock``, the eager PyTorch formulation of stock's modules (``fused_vision.reference``);
+``compiled``, that formulation through ``torch.compile`` (static shapes), what inductor makes of the same code;
 ``reference``, the public op with its PyTorch backend (stock's formulation behind the op's input checks);
 ``fused``, the public op with the Triton backend; ``fused_kernel``, its Triton launcher alone. Byte models count each
 input read once and each output written once, so GB/s over the copy ceiling says how near an op is to the
@@ -18,7 +19,7 @@ import torch
 import fused_vision
 from fused_vision import reference
 
-from .ops import ID_BYTES, StemBench, Unsupported
+from .ops import ID_BYTES, StemBench, Unsupported, compile_static
 from .tower import TINY_TOWER, VISION_TOWERS, tower_shape
 
 CLAMP_BOUND = 1e4  # wide enough that no clamp binds: the clamps cost their loads, as at the checkpoints' bounds
@@ -60,7 +61,7 @@ def gelu_gate_bytes(tokens: int, shape: dict, dtype: torch.dtype) -> int:
 class LayerBench(StemBench):
     """One layer op on the case's packed tokens at the tower's shape of width ``hidden``."""
 
-    providers = ("stock", "reference", "fused", "fused_kernel")
+    providers = ("stock", "compiled", "reference", "fused", "fused_kernel")
 
     def __init__(self, case, hidden, dtype, device):
         super().__init__(case, hidden, dtype, device)
@@ -94,6 +95,9 @@ class QkvNormRope(LayerBench):
     def stock(self):
         return partial(reference.qkv_norm_rope, *self.args, **self.kwargs)
 
+    def compiled(self):
+        return partial(compile_static(reference.qkv_norm_rope), *self.args, **self.kwargs)
+
     def reference(self):
         return partial(fused_vision.qkv_norm_rope, *self.args, **self.kwargs, backend="reference")
 
@@ -121,6 +125,9 @@ class ResidualRmsNorm(LayerBench):
     def stock(self):
         return partial(reference.residual_rms_norm, *self.args, 1e-6)
 
+    def compiled(self):
+        return partial(compile_static(reference.residual_rms_norm), *self.args, 1e-6)
+
     def reference(self):
         return partial(fused_vision.residual_rms_norm, *self.args, eps=1e-6, backend="reference")
 
@@ -143,6 +150,9 @@ class GeluGate(LayerBench):
 
     def stock(self):
         return partial(reference.gelu_gate, *self.args)
+
+    def compiled(self):
+        return partial(compile_static(reference.gelu_gate), *self.args)
 
     def reference(self):
         return partial(fused_vision.gelu_gate, *self.args, backend="reference")

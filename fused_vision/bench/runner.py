@@ -3,7 +3,7 @@
 Order: the two ceilings; every stem op's providers but ``compiled``, the headline case first (its first
 calls tune the kernels' tiles for the whole run); the layer ops, in the same order; the towers; the
 low-memory scenario; the encoders' providers but ``compiled``; the ``compiled`` providers last, the stem
-ops' then the encoders'. Compile times are the one part of the run nobody can predict, so a run past its
+and layer ops' then the encoders'. Compile times are the one part of the run nobody can predict, so a run past its
 time budget loses compiled rows first, never the towers or the scenario; among them the embedder's at the
 headline case and default width go first: the comparison the project's goals are set on.
 
@@ -325,7 +325,7 @@ def run_sections(session: Session, plan: Plan) -> None:
         session.guarded(op, bench_encoder, session, op, encoder_eager, plan.encoder_cases)
     if "compiled" in plan.providers:
         first = tuple(op for op in COMPILED_FIRST if op in plan.stem_ops)
-        ops = first + tuple(op for op in plan.stem_ops if op not in first)
+        ops = first + tuple(op for op in plan.stem_ops + plan.layer_ops if op not in first)
         hidden_sizes = sorted(plan.hidden_sizes, key=lambda hidden: hidden != DEFAULT_HIDDEN)
         session.guarded("compiled", bench_stem, session, ops, ("compiled",), stem_cases, hidden_sizes)
     if "compiled" in plan.encoder_providers:
