@@ -175,11 +175,13 @@ def test_kernels_copy_the_strided_views_their_int32_offsets_cannot_reach():
 
 
 def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
-    """Each launcher passes every tensor whose column offsets its kernel computes in int32 through
-    int32_inner_offsets (the test above checks the helper itself); ids and padding have none."""
+    """Each launcher passes every tensor it indexes through int32_inner_offsets (the pooler's: a copy where
+    int32 column offsets would overflow; the test above checks the helper itself) or offset_dtype (the
+    others': int64 offsets where any operand's span needs them); ids and padding have none."""
     from fused_vision.kernels import patch_embed as patch_embed_kernels
     from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
     from fused_vision.kernels import position_embeddings as position_embeddings_kernels
+    from fused_vision.kernels.common import offset_dtype
 
     guarded = []
 
@@ -187,8 +189,16 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
         guarded.append(tensor)
         return tensor
 
-    for module in (position_embeddings_kernels, pool_by_positions_kernels, patch_embed_kernels):
-        monkeypatch.setattr(module, "int32_inner_offsets", record)
+    def covers(seen, tensor):
+        return seen is tensor or (seen.data_ptr() == tensor.data_ptr() and seen.numel() == tensor.numel())
+
+    def record_offsets(*tensors):
+        guarded.extend(tensors)
+        return offset_dtype(*tensors)
+
+    monkeypatch.setattr(pool_by_positions_kernels, "int32_inner_offsets", record)
+    for module in (position_embeddings_kernels, patch_embed_kernels):
+        monkeypatch.setattr(module, "offset_dtype", record_offsets)
     table, ids = good()
     padding = default_padding_positions(ids)
     rows = torch.randn(2, 5, 8, device=DEVICE)
@@ -222,5 +232,6 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
     for name, (launch, tensors) in launches.items():
         guarded.clear()
         launch()
-        missed = [i for i, tensor in enumerate(tensors) if not any(tensor is seen for seen in guarded)]
+        # The tensor itself, or a view of all of it (a launcher's rows of a (B, N, D) tensor).
+        missed = [i for i, tensor in enumerate(tensors) if not any(covers(seen, tensor) for seen in guarded)]
         assert not missed, f"{name}: arguments {missed} reach the kernel unguarded"
