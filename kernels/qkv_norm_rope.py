@@ -248,12 +248,16 @@ def _qkv_norm_rope_kernel(
 BACKEND_CONSTANTS = {"FAST_TRIG": lambda backend: backend == "cuda"}
 
 
-def launch_config(interpreted: bool) -> tuple[int, int]:
+def launch_config(interpreted: bool, dtype: torch.dtype, quarter: int) -> tuple[int, int]:
     """(BLOCK_T, num_warps): 4 tokens a program on 2 warps, the fewest instructions per element on sm_90a
-    (bench/tools/speed_of_light.py) of the spill-free configs on every target (2 tokens on 2 warps spill on
-    sm_100a and sm_120 at d = 64: bench/tools/build_matrix.py); 20,160 programs at 80,640 tokens. The
-    interpreter pays per program: 32 tokens."""
-    return (32, 1) if interpreted else (4, 2)
+    (bench/tools/speed_of_light.py) of the configs that build spill-free on every target with Triton 3.6 to
+    3.9 (bench/tools/build_matrix.py; 2 tokens on 2 warps spill on sm_100a and sm_120 at d = 64), 20,160
+    programs at 80,640 tokens. fp32 heads of unaligned quarters (d = 72) hold their row and their quarters
+    both: 4 warps, or they spill. The interpreter pays per program: 32 tokens."""
+    if interpreted:
+        return 32, 1
+    unaligned = quarter * dtype.itemsize % 16 != 0
+    return (2, 2) if dtype == torch.float32 and unaligned else (4, 2)
 
 
 @launcher
@@ -279,7 +283,7 @@ def qkv_norm_rope(
         return q, k, v
     quarter = head_dim // 4
     main, tail = row_parts(quarter)
-    block_t, num_warps = launch_config(interpreting())
+    block_t, num_warps = launch_config(interpreting(), qkv.dtype, quarter)
     _qkv_norm_rope_kernel[(triton.cdiv(num_tokens, block_t),)](
         qkv,
         position_ids.contiguous(),
