@@ -47,6 +47,15 @@ def lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN: tl.constexpr, BLOCK
 
 
 @triton.jit
+def _block_mask(row_mask, cols, HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr):
+    """``row_mask`` over a block of columns; the column test only where the blocks do not divide HIDDEN."""
+    if HIDDEN % BLOCK_D == 0:
+        return row_mask[:, None]
+    else:
+        return row_mask[:, None] & (cols < HIDDEN)[None, :]
+
+
+@triton.jit
 def _position_embeddings_kernel(
     table_ptr,
     ids_ptr,
@@ -72,10 +81,7 @@ def _position_embeddings_kernel(
     )
     for start in tl.static_range(0, HIDDEN, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
-        if HIDDEN % BLOCK_D == 0:
-            store = row_in[:, None]
-        else:
-            store = row_in[:, None] & (cols < HIDDEN)[None, :]
+        store = _block_mask(row_in, cols, HIDDEN, BLOCK_D)
         pe = lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN, BLOCK_D, DTYPE)
         if HAS_RESIDUAL:
             # Stock's `hidden + pe`: one more add in the dtype.
@@ -163,10 +169,7 @@ def _position_embeddings_backward_kernel(
     )
     for start in tl.static_range(0, HIDDEN, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
-        if HIDDEN % BLOCK_D == 0:
-            mask = scatter[:, None]
-        else:
-            mask = scatter[:, None] & (cols < HIDDEN)[None, :]
+        mask = _block_mask(scatter, cols, HIDDEN, BLOCK_D)
         grad = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.atomic_add(x_rows[:, None] + cols[None, :], grad, mask=mask, sem="relaxed")
         tl.atomic_add(y_rows[:, None] + cols[None, :], grad, mask=mask, sem="relaxed")

@@ -8,7 +8,7 @@ nvdisasm Triton ships. From the SASS:
 
 - streaming kernels: warp-instructions issued per element produced = instructions a program executes
   x warps x programs / elements, against the issue budget at copy bandwidth = bytes the kernel must move
-  per element x ISSUE_RATE / COPY_RATE (the H200's, docs/speed-of-light.md). A kernel above its budget
+  per element x WARP_INSTRUCTION_RATE / COPY_RATE (the H200's, docs/speed-of-light.md). A kernel above its budget
   cannot reach copy speed on any GPU; above half of it, it will not.
 - the embedder: instructions per tensor-core instruction (HGMMA on sm_90a) in its main loop, which must
   leave the tensor cores fed; each autotune candidate on the targets its launcher offers it on.
@@ -48,7 +48,7 @@ from fused_vision.kernels.common import interpreting
 
 # The H200's, as docs/speed-of-light.md derives them: 132 SMs x 4 schedulers x 1.98 GHz, one
 # warp-instruction per scheduler per cycle; the copy bandwidth fused_vision's bench measured (read + write).
-ISSUE_RATE = 132 * 4 * 1.98e9
+WARP_INSTRUCTION_RATE = 132 * 4 * 1.98e9
 COPY_RATE = 4.246e12
 GATE_FRACTION = 0.5
 HGMMA_GATE = 48
@@ -312,7 +312,7 @@ def measure(target: str, headline: Headline) -> dict:
     elif per_program is None:
         row |= dict(per_element=None, budget=None, fraction=None)
     else:
-        budget = headline.bytes_per_element * ISSUE_RATE / COPY_RATE
+        budget = headline.bytes_per_element * WARP_INSTRUCTION_RATE / COPY_RATE
         per_element = row["per_program"] * row["warps"] * row["programs"] / headline.elements
         row |= dict(per_element=per_element, budget=budget, fraction=per_element / budget)
     return row
