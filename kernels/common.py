@@ -201,6 +201,24 @@ def rms_inverse(sum_squares, SIZE: tl.constexpr, eps):
         return tl.rsqrt(sum_squares * (1.0 / SIZE) + eps)
 
 
+@triton.jit
+def load_part(ptrs, cols, WIDTH: tl.constexpr, MASKED: tl.constexpr):
+    """A row part's values at ``cols``; zeros past WIDTH, masked only where the part passes it (``row_parts``)."""
+    if MASKED:
+        return tl.load(ptrs, mask=cols < WIDTH, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def store_part(ptrs, value, cols, WIDTH: tl.constexpr, MASKED: tl.constexpr):
+    """``value`` at a row part's ``cols``, masked only where the part passes WIDTH."""
+    if MASKED:
+        tl.store(ptrs, value, mask=cols < WIDTH)
+    else:
+        tl.store(ptrs, value)
+
+
 def row_parts(width: int) -> tuple[int, int]:
     """A row of ``width`` columns as a power-of-two main part and a tail (0 for a power of two), the tail
     rounded up to a power of two: 1152 = 1024 + 128 and 768 = 512 + 256 leave no lane past the row."""

@@ -20,10 +20,12 @@ from .common import (
     clamp_bounds,
     interpreting,
     launcher,
+    load_part,
     mul_rounded,
     offset_dtype,
     round_to,
     row_parts,
+    store_part,
 )
 
 SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)  # torch's kBeta: M_SQRT2 * M_2_SQRTPI * 0.5
@@ -59,13 +61,8 @@ def _gelu_tanh(x, DTYPE: tl.constexpr):
 def _gelu_gate_part(gate_row, out_row, cols, bounds, INTERMEDIATE: tl.constexpr, MASKED: tl.constexpr,
                     HAS_CLAMPS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
     """One part of a row; up sits INTERMEDIATE columns after gate. Masked only where the part passes I."""
-    if MASKED:
-        gate = tl.load(gate_row + cols, mask=cols < INTERMEDIATE, other=0.0)
-        up = tl.load(gate_row + INTERMEDIATE + cols, mask=cols < INTERMEDIATE, other=0.0)
-    else:
-        gate = tl.load(gate_row + cols)
-        up = tl.load(gate_row + INTERMEDIATE + cols)
-    gate = gate.to(tl.float32)
+    gate = load_part(gate_row + cols, cols, INTERMEDIATE, MASKED).to(tl.float32)
+    up = load_part(gate_row + INTERMEDIATE + cols, cols, INTERMEDIATE, MASKED)
     # Stock's act_fn(gate) rounds to the hidden dtype, then `* up` rounds again.
     if HAS_CLAMPS:
         gate_low, gate_high, up_low, up_high, down_low, down_high = bounds
@@ -76,10 +73,7 @@ def _gelu_gate_part(gate_row, out_row, cols, bounds, INTERMEDIATE: tl.constexpr,
         out = round_to(clamp(product, down_low, down_high), DTYPE)
     else:
         out = mul_rounded(round_to(_gelu_tanh(gate, DTYPE), DTYPE), up, DTYPE)
-    if MASKED:
-        tl.store(out_row + cols, out, mask=cols < INTERMEDIATE)
-    else:
-        tl.store(out_row + cols, out)
+    store_part(out_row + cols, out, cols, INTERMEDIATE, MASKED)
 
 
 @triton.jit

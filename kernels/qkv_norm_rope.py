@@ -25,11 +25,13 @@ from .common import (
     clamp_bounds,
     interpreting,
     launcher,
+    load_part,
     mul_rounded,
     offset_dtype,
     rms_inverse,
     round_to,
     row_parts,
+    store_part,
     sub_rounded,
 )
 
@@ -57,25 +59,10 @@ def _cos_sin(position, inv_freq, FAST_TRIG: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _load(ptrs, f, F: tl.constexpr, MASKED: tl.constexpr):
-    """fp32 values at channels ``f`` of a quarter; zeros past it where the part is masked."""
-    if MASKED:
-        return tl.load(ptrs, mask=f < F, other=0.0).to(tl.float32)
-    else:
-        return tl.load(ptrs).to(tl.float32)
-
-
-@triton.jit
-def _store(ptrs, value, f, F: tl.constexpr, MASKED: tl.constexpr):
-    if MASKED:
-        tl.store(ptrs, value, mask=f < F)
-    else:
-        tl.store(ptrs, value)
-
-
-@triton.jit
-def _clamped(x, low, high, HAS_CLAMPS: tl.constexpr):
-    """Gemma4ClippableLinear's output clamp, in the hidden dtype."""
+def _projected(ptrs, f, F: tl.constexpr, MASKED: tl.constexpr, low, high, HAS_CLAMPS: tl.constexpr):
+    """fp32 values of a projection's part (``load_part``), with Gemma4ClippableLinear's output clamp in the
+    hidden dtype."""
+    x = load_part(ptrs, f, F, MASKED).to(tl.float32)
     return clamp(x, low, high) if HAS_CLAMPS else x
 
 
@@ -85,7 +72,7 @@ def _normed(x, inverse, weights, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_W
     """Stock's order: x * pow(...), then * weight, each in fp32; one rounding to the hidden dtype."""
     x = x * inverse
     if HAS_WEIGHT:
-        x = x * _load(weights, f, F, MASKED)
+        x = x * load_part(weights, f, F, MASKED).to(tl.float32)
     return round_to(x, DTYPE)
 
 
@@ -102,21 +89,21 @@ def _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, s
           MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_CLAMPS: tl.constexpr, ROPE: tl.constexpr,
           DTYPE: tl.constexpr):  # fmt: skip
     """Normalise (and rotate) one part of each quarter, given the heads' inverse RMS, and store it."""
-    n0 = _normed(_clamped(_load(source + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse, weight_ptr + f, f, F,
-                 MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
-    n1 = _normed(_clamped(_load(source + F + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse, weight_ptr + F + f,
-                 f, F, MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
-    n2 = _normed(_clamped(_load(source + 2 * F + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse,
-                 weight_ptr + 2 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
-    n3 = _normed(_clamped(_load(source + 3 * F + f, f, F, MASKED), low, high, HAS_CLAMPS), inverse,
-                 weight_ptr + 3 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)  # fmt: skip
+    x = _projected(source + f, f, F, MASKED, low, high, HAS_CLAMPS)
+    n0 = _normed(x, inverse, weight_ptr + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
+    x = _projected(source + F + f, f, F, MASKED, low, high, HAS_CLAMPS)
+    n1 = _normed(x, inverse, weight_ptr + F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
+    x = _projected(source + 2 * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
+    n2 = _normed(x, inverse, weight_ptr + 2 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
+    x = _projected(source + 3 * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
+    n3 = _normed(x, inverse, weight_ptr + 3 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
     if ROPE:
         n0, n1 = _rotated(n0, n1, cos_x, sin_x, DTYPE)
         n2, n3 = _rotated(n2, n3, cos_y, sin_y, DTYPE)
-    _store(target + f, n0, f, F, MASKED)
-    _store(target + F + f, n1, f, F, MASKED)
-    _store(target + 2 * F + f, n2, f, F, MASKED)
-    _store(target + 3 * F + f, n3, f, F, MASKED)
+    store_part(target + f, n0, f, F, MASKED)
+    store_part(target + F + f, n1, f, F, MASKED)
+    store_part(target + 2 * F + f, n2, f, F, MASKED)
+    store_part(target + 3 * F + f, n3, f, F, MASKED)
 
 
 @triton.jit
@@ -125,7 +112,7 @@ def _quarter_sum_squares(source, low, high, f, F: tl.constexpr, MASKED: tl.const
     which the compiler then reads once."""
     squares = tl.zeros(source.shape, tl.float32)
     for quarter in tl.static_range(4):
-        x = _clamped(_load(source + quarter * F + f, f, F, MASKED), low, high, HAS_CLAMPS)
+        x = _projected(source + quarter * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
         squares = tl.fma(x, x, squares)  # one instruction: the kernel is built without fp fusion
     return tl.sum(squares, axis=2)
 
@@ -138,12 +125,11 @@ def _row_sum_squares(source, low, high, D: tl.constexpr, HAS_CLAMPS: tl.constexp
     ROW_MAIN: tl.constexpr = 1 << (D.bit_length() - 1)
     ROW_TAIL: tl.constexpr = 0 if ROW_MAIN == D else 1 << (D - ROW_MAIN - 1).bit_length()
     channels = tl.arange(0, ROW_MAIN)[None, None, :]
-    x = _clamped(tl.load(source + channels).to(tl.float32), low, high, HAS_CLAMPS)
+    x = _projected(source + channels, channels, ROW_MAIN, False, low, high, HAS_CLAMPS)
     sum_squares = tl.sum(x * x, axis=2)
     if ROW_TAIL > 0:
         channels = ROW_MAIN + tl.arange(0, ROW_TAIL)[None, None, :]
-        x = _clamped(_load(source + channels, channels - ROW_MAIN, D - ROW_MAIN, ROW_MAIN + ROW_TAIL > D), low,
-                     high, HAS_CLAMPS)  # fmt: skip
+        x = _projected(source + channels, channels, D, ROW_MAIN + ROW_TAIL > D, low, high, HAS_CLAMPS)
         sum_squares += tl.sum(x * x, axis=2)
     return sum_squares
 
