@@ -46,26 +46,32 @@ def check_same_device(**tensors: torch.Tensor | None) -> None:
 ENV_CHECK_IDS = "FUSED_VISION_CHECK_IDS"
 
 
-def id_checks_enabled(position_ids: torch.Tensor) -> bool:
-    """Whether to run the checks that read the ids and so synchronise the device.
+def id_checks_enabled(position_ids: torch.Tensor, *, guarded: bool = False) -> bool:
+    """Whether to run the checks that read the ids and, on a GPU, synchronise the device.
 
-    Not where a sync is unwanted: while a CUDA graph is being captured (a sync would break the capture),
-    while ``torch.cuda.set_sync_debug_mode`` is armed (vLLM's VLLM_GPU_SYNC_CHECK arms it and fails on
-    a sync outside the regions it allows, which leave out the patch embedder), or when
-    FUSED_VISION_CHECK_IDS=0. The Triton kernels then write NaN where bad ids would have led them
-    astray (a row's lookup, an item's pooled slots) instead of reading out of bounds or dropping patches.
+    ``guarded``: the caller is a Triton kernel, which writes NaN where bad ids would lead it astray (a
+    row's lookup, an item's pooled slots) instead of reading out of bounds or dropping patches. On a GPU
+    such a path checks only on request, with FUSED_VISION_CHECK_IDS=1: a sync per call would cost more
+    than its kernel. Host ids are checked by default (no device to stall); unguarded GPU paths (the
+    reference, which would index out of bounds) too. Never while a CUDA graph is being captured (a
+    sync would break the capture) or while ``torch.cuda.set_sync_debug_mode`` is armed (vLLM's
+    VLLM_GPU_SYNC_CHECK arms it and fails on a sync outside the regions it allows, which leave out the
+    patch embedder); nowhere with FUSED_VISION_CHECK_IDS=0.
     """
-    if os.environ.get(ENV_CHECK_IDS) == "0":
+    requested = os.environ.get(ENV_CHECK_IDS)
+    if requested == "0":
         return False
     if not position_ids.is_cuda:
         return True
-    return not (torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode())
+    if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():
+        return False
+    return requested == "1" or not guarded
 
 
-def check_position_ids_range(position_ids: torch.Tensor, num_positions: int) -> None:
+def check_position_ids_range(position_ids: torch.Tensor, num_positions: int, *, guarded: bool = False) -> None:
     """Ids must lie below P; negative ids read row 0, as stock's ``clamp(min=0)`` makes them.
-    One max reduction and one device-to-host sync (see id_checks_enabled)."""
-    if position_ids.numel() == 0 or not id_checks_enabled(position_ids):
+    One max reduction and, on a GPU, one device-to-host sync (see id_checks_enabled)."""
+    if position_ids.numel() == 0 or not id_checks_enabled(position_ids, guarded=guarded):
         return
     high = every_item(position_ids).max().item()
     if high >= num_positions:

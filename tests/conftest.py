@@ -27,6 +27,12 @@ if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
 
 
 @pytest.fixture
+def checked_ids(monkeypatch):
+    """The id checks on wherever they can run: on a GPU the kernels' paths check only on request."""
+    monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "1")
+
+
+@pytest.fixture
 def poisoned(monkeypatch):
     poison_empty(monkeypatch)
 

@@ -57,7 +57,7 @@ def good():
         "sparse_ids",
     ],
 )
-def test_bad_table_or_ids(backend, change, error, pattern):
+def test_bad_table_or_ids(checked_ids, backend, change, error, pattern):
     table, ids = change(*good())
     with pytest.raises(error, match=pattern):
         fused_vision.position_embeddings(table, ids, backend=backend)
@@ -134,6 +134,27 @@ def test_id_checks_skip_where_a_cuda_sync_is_unwanted(monkeypatch, capturing, sy
     assert id_checks_enabled(torch.zeros(1, 1, 2, dtype=torch.int64))  # host ids: no device to stall
 
 
+@pytest.mark.parametrize(
+    "requested, on_gpu, on_gpu_unguarded, on_host",
+    [(None, False, True, True), ("1", True, True, True), ("0", False, False, False)],
+    ids=["default", "requested", "off"],
+)
+def test_gpu_kernels_check_ids_only_on_request(monkeypatch, requested, on_gpu, on_gpu_unguarded, on_host):
+    """On a GPU the kernels' paths (guarded: they write NaN for bad ids) skip the syncing checks unless
+    FUSED_VISION_CHECK_IDS=1; paths that would index out of bounds, and host ids, check by default."""
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    if requested is None:
+        monkeypatch.delenv("FUSED_VISION_CHECK_IDS", raising=False)
+    else:
+        monkeypatch.setenv("FUSED_VISION_CHECK_IDS", requested)
+    gpu_ids, host_ids = types.SimpleNamespace(is_cuda=True), torch.zeros(1, 1, 2, dtype=torch.int64)
+    assert id_checks_enabled(gpu_ids, guarded=True) is on_gpu
+    assert id_checks_enabled(gpu_ids) is on_gpu_unguarded
+    assert id_checks_enabled(host_ids, guarded=True) is on_host
+    assert id_checks_enabled(host_ids) is on_host
+
+
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
 @pytest.mark.parametrize("bad_id", [20, 2**40], ids=["P", "huge"])
 def test_unchecked_bad_ids_turn_rows_nan_not_faults(poisoned, monkeypatch, bad_id, dtype):
@@ -197,7 +218,7 @@ def test_every_launcher_guards_the_tensors_it_indexes_in_int32(monkeypatch):
         return offset_dtype(*tensors)
 
     monkeypatch.setattr(pool_by_positions_kernels, "int32_inner_offsets", record)
-    for module in (position_embeddings_kernels, patch_embed_kernels):
+    for module in (position_embeddings_kernels, patch_embed_kernels, pool_by_positions_kernels):
         monkeypatch.setattr(module, "offset_dtype", record_offsets)
     table, ids = good()
     padding = default_padding_positions(ids)

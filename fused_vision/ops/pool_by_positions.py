@@ -44,14 +44,14 @@ def _triton(hidden_states, position_ids, padding_positions, output_length, round
     pooled, mask, overflow = launch(
         hidden_states, position_ids, padding_positions, output_length, k, round_average=round_average
     )
-    if id_checks_enabled(position_ids) and overflow.any():  # one device-to-host sync
+    if id_checks_enabled(position_ids, guarded=True) and overflow.any():  # on a GPU, a device-to-host sync
         raise reference.slot_overflow_error(k, output_length)
     return pooled, mask
 
 
 def _reference(hidden_states, position_ids, padding_positions, output_length, round_average):
     seq_len = hidden_states.shape[1]
-    if seq_len != output_length and id_checks_enabled(position_ids):
+    if seq_len != output_length and id_checks_enabled(position_ids, guarded=True):
         k = reference.pooling_kernel_size(seq_len, output_length)
         # One device-to-host sync; unchecked, the reference makes an overflowing item NaN, as the kernel does.
         if every_item(reference.pooling_slots(position_ids, k) >= output_length).any():

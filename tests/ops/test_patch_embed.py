@@ -117,7 +117,7 @@ def test_empty_batch(backend):
     ids=["features", "pixel_items", "hidden", "table_dtype", "integer_pixels", "ids_range"],
 )
 @pytest.mark.parametrize("backend", ["auto", *BACKENDS])
-def test_bad_input(change, error, pattern, backend):
+def test_bad_input(checked_ids, change, error, pattern, backend):
     """Every backend raises; under "auto" the id check, made after the kernel's launch, is an input error
     and not a kernel failure: no fallback warning, and the op keeps its kernel."""
     pixels, weight, table, ids = make_inputs(2, 8, 48, 16, 30, torch.float32, torch.float32, 0)

@@ -318,7 +318,7 @@ def _item_grads(loss, args, in_dims, argnums, item, backend):
 @pytest.mark.filterwarnings("ignore:fused_vision.*torch.func transforms run the PyTorch reference")
 @pytest.mark.parametrize("backend", ["auto", "reference"])
 @pytest.mark.parametrize("op", [case.op for case in FORWARD_OPS])
-def test_per_sample_gradients(op, backend):
+def test_per_sample_gradients(checked_ids, op, backend):
     """vmap(grad(...)), the per-sample gradients of DP-SGD training, equals autograd through the fused
     backward item by item, and grad(vmap(...)) their sum; the id checks still read every mapped item."""
     loss, args, in_dims, argnums, bad = _per_sample_cases()[op]
