@@ -202,6 +202,15 @@ def rms_inverse(sum_squares, SIZE: tl.constexpr, eps):
 
 
 @triton.jit
+def block_mask(row_mask, cols, WIDTH: tl.constexpr, BLOCK: tl.constexpr):
+    """``row_mask`` over a block of columns; the column test only where the blocks do not divide WIDTH."""
+    if WIDTH % BLOCK == 0:
+        return row_mask[:, None]
+    else:
+        return row_mask[:, None] & (cols < WIDTH)[None, :]
+
+
+@triton.jit
 def load_part(ptrs, cols, WIDTH: tl.constexpr, MASKED: tl.constexpr):
     """A row part's values at ``cols``; zeros past WIDTH, masked only where the part passes it (``row_parts``)."""
     if MASKED:

@@ -13,7 +13,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import TORCH_TO_TL, add_rounded, as_rows, interpreting, launcher, offset_dtype, unit_inner_stride
+from .common import (
+    TORCH_TO_TL,
+    add_rounded,
+    as_rows,
+    block_mask,
+    interpreting,
+    launcher,
+    offset_dtype,
+    unit_inner_stride,
+)
 
 
 @triton.jit
@@ -47,15 +56,6 @@ def lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _block_mask(row_mask, cols, HIDDEN: tl.constexpr, BLOCK_D: tl.constexpr):
-    """``row_mask`` over a block of columns; the column test only where the blocks do not divide HIDDEN."""
-    if HIDDEN % BLOCK_D == 0:
-        return row_mask[:, None]
-    else:
-        return row_mask[:, None] & (cols < HIDDEN)[None, :]
-
-
-@triton.jit
 def _position_embeddings_kernel(
     table_ptr,
     ids_ptr,
@@ -81,7 +81,7 @@ def _position_embeddings_kernel(
     )
     for start in tl.static_range(0, HIDDEN, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
-        store = _block_mask(row_in, cols, HIDDEN, BLOCK_D)
+        store = block_mask(row_in, cols, HIDDEN, BLOCK_D)
         pe = lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN, BLOCK_D, DTYPE)
         if HAS_RESIDUAL:
             # Stock's `hidden + pe`: one more add in the dtype.
@@ -169,7 +169,7 @@ def _position_embeddings_backward_kernel(
     )
     for start in tl.static_range(0, HIDDEN, BLOCK_D):
         cols = start + tl.arange(0, BLOCK_D)
-        mask = _block_mask(scatter, cols, HIDDEN, BLOCK_D)
+        mask = block_mask(scatter, cols, HIDDEN, BLOCK_D)
         grad = tl.load(grad_ptr + rows[:, None] * stride_grad + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         tl.atomic_add(x_rows[:, None] + cols[None, :], grad, mask=mask, sem="relaxed")
         tl.atomic_add(y_rows[:, None] + cols[None, :], grad, mask=mask, sem="relaxed")

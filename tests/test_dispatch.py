@@ -10,7 +10,6 @@ import torch.autograd.forward_ad as fwAD
 import fused_vision
 from fused_vision import _dispatch, attention
 from fused_vision.kernels import patch_embed as patch_embed_kernels
-from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
 
@@ -161,17 +160,15 @@ def test_rocm_runs_the_kernels_with_tiles_that_fit_its_lds(rocm_gfx942):
     assert _dispatch.resolve_backend("auto", gpu) == "auto"
     limits = _dispatch.device_limits(gpu)
     assert limits == _dispatch.DeviceLimits("gfx942", 65536)
-    for module in (patch_embed_kernels, pool_by_positions_kernels):
-        for dtype in (torch.bfloat16, torch.float16, torch.float32):
-            offered = module.gpu_configs(dtype, limits)
-            assert offered and set(offered) <= set(module.gpu_configs(dtype)), (module.__name__, dtype)
-    # NVIDIA's big half-precision tiles give way to the two-stage ones sized for 64 KiB; the pooler's 104 KiB goes.
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        offered = patch_embed_kernels.gpu_configs(dtype, limits)
+        assert offered and set(offered) <= set(patch_embed_kernels.gpu_configs(dtype)), dtype
+    # NVIDIA's big half-precision tiles give way to the two-stage ones sized for 64 KiB.
     tiles = {
         (c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.num_stages)
         for c in patch_embed_kernels.gpu_configs(torch.bfloat16, limits)
     }
     assert tiles == {(64, 128, 2), (128, 128, 2)}
-    assert len(pool_by_positions_kernels.gpu_configs(torch.bfloat16, limits)) == 2
 
 
 HOPPER_TILES = {(128, 128, 64, 3), (64, 256, 64, 3), (64, 128, 64, 4), (128, 64, 64, 4)}
@@ -193,13 +190,6 @@ def test_nvidia_embedder_tiles_per_architecture(arch, shared, expected):
     offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _dispatch.DeviceLimits(arch, shared))
     tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.kwargs["BLOCK_K"], c.num_stages) for c in offered}
     assert tiles == expected
-
-
-def test_the_fp32_pooler_offers_sm80_only_the_tiles_that_do_not_spill_there():
-    ampere = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_80", 166912))
-    assert {(c.kwargs["BLOCK_S"], c.kwargs["BLOCK_N"], c.num_warps) for c in ampere} == {(32, 32, 4), (32, 64, 8)}
-    hopper = pool_by_positions_kernels.gpu_configs(torch.float32, _dispatch.DeviceLimits("sm_90", 232448))
-    assert len(hopper) == 5
 
 
 def test_rocm_attention_takes_a_varlen_kernel(rocm_gfx942, monkeypatch):

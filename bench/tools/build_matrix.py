@@ -41,7 +41,7 @@ from launches import DTYPES, Launch, launches, name
 from targets import KIB, TARGETS, Target, amdgcn_resources, occupancy, ptxas_resources
 from triton.compiler import ASTSource
 
-from fused_vision.kernels import patch_embed, pool_by_positions
+from fused_vision.kernels import patch_embed
 from fused_vision.kernels.common import interpreting
 
 POINTER_TYPES = {
@@ -60,12 +60,12 @@ STREAMING, TILE, PER_ITEM = 1 / 8, 1 / 16, 1 / 16
 FLOORS = {
     "position_embeddings": STREAMING,
     "position_embeddings_backward": STREAMING,
+    "pool_by_positions": STREAMING,
     "pool_by_positions_backward": STREAMING,
     "gelu_gate": STREAMING,
     "residual_rms_norm": STREAMING,
     "qkv_norm_rope": STREAMING,
     "patch_embed": TILE,
-    "pool_by_positions": TILE,
     "patch_slots": PER_ITEM,
 }
 FIELDS = ("triton", "target", "kernel", "variant", "offered", "registers", "spill_bytes", "sgpr_spills")
@@ -188,13 +188,12 @@ def failed(row: dict) -> bool:
 
 
 def unserved(targets: list[Target]) -> list[str]:
-    """Each (target, autotuned kernel, dtype) whose launcher would be offered no candidate."""
+    """Each (target, dtype) for which the autotuned embedder would be offered no candidate."""
     return [
-        f"{target.name}: {module.__name__} offers no {name(dtype)} candidate"
+        f"{target.name}: {patch_embed.__name__} offers no {name(dtype)} candidate"
         for target in targets
-        for module in (patch_embed, pool_by_positions)
         for dtype in DTYPES
-        if not module.gpu_configs(dtype, target.limits)
+        if not patch_embed.gpu_configs(dtype, target.limits)
     ]
 
 

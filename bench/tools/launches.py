@@ -24,7 +24,7 @@ from fused_vision.kernels import residual_rms_norm as residual_rms_norm_kernels
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 BATCH, PATCHES, HIDDEN, FEATURES, POSITIONS = 2, 63, 1152, 768, 64
-POOLER_KERNELS = ("_patch_slots_kernel", "_pool_by_positions_tuned")
+POOLER_KERNELS = ("_patch_slots_kernel", "_pool_by_positions_kernel")
 # The encoder layers' shapes: (hidden, heads, head_dim, intermediate) of the 1152- and 768-wide towers.
 LAYER_SHAPES = ((1152, 16, 72, 4304), (768, 12, 64, 3072))
 
@@ -174,11 +174,10 @@ def launches():
         _, (args, kwargs) = capture_launches(pool_by_positions_kernels, POOLER_KERNELS, call)
         # Both roundings of the average: transformers' (rounded to the dtype) and EmbeddingGemma2's (fp32).
         averages = ((True, ""), (False, ", fp32 average"))
-        for variant, meta, offered in tuned_launches(pool_by_positions_kernels, dtype, name(dtype)):
-            for rounded, label in averages:
-                launch = kwargs | meta | {"ROUND_AVERAGE": rounded}
-                kernel = pool_by_positions_kernels._pool_by_positions_kernel
-                yield Launch("pool_by_positions", variant + label, kernel, args, launch, offered)
+        for rounded, label in averages:
+            launch = kwargs | {"ROUND_AVERAGE": rounded}
+            kernel = pool_by_positions_kernels._pool_by_positions_kernel
+            yield Launch("pool_by_positions", name(dtype) + label, kernel, args, launch)
 
         grad_pooled = torch.randn(BATCH, PATCHES // 9, HIDDEN)
         call = lambda: pool_by_positions_kernels.pool_by_positions_backward(grad_pooled, ids, padding, 3, dtype)

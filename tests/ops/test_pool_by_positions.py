@@ -125,6 +125,28 @@ def test_padding_rows_at_real_positions(poisoned, backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=dtype_id)
+def test_repeated_positions_sum_every_patch(poisoned, backend, dtype):
+    """Ids that repeat a position (no processor's grid does) put two patches in one place: the kernel's
+    per-place members cannot hold both, so such an item must take the walk over all its patches and
+    still sum every one, as stock's one-hot does; the other items keep the place-by-place sum. Small
+    integers and k = 2 make every term and sum exact in any order: bit for bit."""
+    hidden_states, grid, padding = make_batch([(4, 6), (6, 4), (4, 2)], 2, 6, 40, dtype)
+    ids = grid.clone()
+    ids[0, 5] = ids[0, 7]  # item 0: a repeat within one slot and a hole in another
+    ids[2, 0] = ids[2, 1] = ids[2, 2]  # item 2: three patches in one place, next to the padding
+    hidden_states = torch.randint(-8, 9, hidden_states.shape, device=DEVICE).to(dtype)
+    pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 6, backend=backend)
+    expected, expected_mask = reference.onehot_pool_by_positions(hidden_states, ids, padding, 6)
+    assert_bit_identical(mask, expected_mask, "mask")
+    assert_bit_identical(pooled, expected, "pooled")
+    # The repeats moved patches: the result is not the grid's.
+    on_the_grid, _ = reference.onehot_pool_by_positions(hidden_states, grid, padding, 6)
+    assert not torch.equal(pooled[0], on_the_grid[0]) and not torch.equal(pooled[2], on_the_grid[2])
+    assert torch.equal(pooled[1], on_the_grid[1])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_zero_width_hidden_states_still_give_the_mask(backend):
     hidden_states, ids, padding = make_batch([(6, 9), (3, 3)], 3, 6, 0, torch.bfloat16)
     pooled, mask = fused_vision.pool_by_positions(hidden_states, ids, padding, 6, backend=backend)
@@ -165,7 +187,7 @@ def test_lengths_that_do_not_divide(backend, output_length, pattern):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_positions_beyond_the_slots(backend):
+def test_positions_beyond_the_slots(checked_ids, backend):
     hidden_states, ids, padding = make_batch([(6, 6)], 3, 4, 16, torch.float32)
     ids[0, 0] = torch.tensor([2, 40])  # a y far below the grid: slot 13 of 4
     with pytest.raises(ValueError, match=r"position_ids: the 3x3 blocks of positions need more than output_length=4"):
@@ -188,8 +210,7 @@ def test_positions_whose_slot_arithmetic_would_wrap(monkeypatch, backend, id_dty
     """Far ids must not wrap the slot number into one that looks valid or negative (a negative slot once
     sent the kernel's atomics out of bounds): the check raises, or unchecked the item is NaN and the
     other item untouched."""
-    if not checked:
-        monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
+    monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "1" if checked else "0")
     hidden_states, ids, padding = make_batch([(4, 4), (4, 4)], 2, 4, 8, torch.float32)
     expected, _ = reference.onehot_pool_by_positions(hidden_states, ids, padding, 4)
     ids = ids.to(id_dtype)
