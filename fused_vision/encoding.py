@@ -343,7 +343,8 @@ def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch
 
     def encode(start: int, end: int) -> list[torch.Tensor]:
         pixels = [p.to(device) for p in items.pixels[start:end]]
-        return packed.encode(tower, pixels, [i.to(device) for i in items.ids[start:end]], pooler_float32)
+        ids = [i.to(device) for i in items.ids[start:end]]
+        return packed.encode(tower, pixels, ids, pooler_float32, lengths=real[start:end])
 
     chunks = HalvingChunks(max_batch, device)
     outputs = chunks.run_consecutive(len(real), fill, encode)

@@ -10,11 +10,13 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_vision.encoding as fe
 import fused_vision.packed as fp
 import fused_vision.planner as planner
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
+from fused_vision.integrations import transformers as transformers_integration
 
 from gemma4_towers import (
     FP32_CLOSE,
@@ -46,9 +48,9 @@ def packed_calls(monkeypatch):
     """The items of each packed encoder call."""
     calls, encode = [], fp.encode
 
-    def recording(tower, pixels, ids, pooler_float32):
+    def recording(tower, pixels, ids, pooler_float32, **kwargs):
         calls.append(len(pixels))
-        return encode(tower, pixels, ids, pooler_float32)
+        return encode(tower, pixels, ids, pooler_float32, **kwargs)
 
     monkeypatch.setattr(fp, "encode", recording)
     return calls
@@ -65,6 +67,44 @@ def test_items_of_different_patch_counts_in_one_call_match_stock_alone(poisoned,
     assert packed_calls == [5], "one packed call for every item"
     assert_items_match(got, stock, exact, dtype)
     assert tower.config._attn_implementation == "sdpa", "the config's attention is restored"
+
+
+class _DataSizedOps(TorchDispatchMode):
+    """Records the ops whose output size depends on tensor values (boolean indexing, nonzero, item): on a
+    GPU each makes the host wait for the device's queued work."""
+
+    SIZED = ("aten.nonzero.", "aten.masked_select.", "aten._local_scalar_dense.", "aten.unique")
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        boolean_index = func is torch.ops.aten.index.Tensor and any(
+            i is not None and i.dtype == torch.bool for i in args[1]
+        )
+        if boolean_index or str(func).startswith(self.SIZED):
+            self.seen.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("encoder", ["packed", "fused"])
+def test_a_packed_call_given_its_lengths_sizes_nothing_by_the_data(encoder):
+    """Items packed and their soft tokens gathered by indices whose counts the host holds, and the clipped
+    linears' clamps compared by the first call only: nothing else that would sync a GPU (the one sync
+    left, for the pooled tokens' counts, is a ``tolist``, which no dispatch mode sees)."""
+    tower = tower_of("e2b_like")
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    apply_fused_vision_to_gemma4(tower, encoder=encoder)
+    lengths = [int((~(i == -1).all(-1)).sum()) for i in ids]
+    pooler_float32 = transformers_integration.pooler_returns_float32()
+    with torch.no_grad():
+        fp.encode(tower, pixels, ids, pooler_float32)  # the first call reads the clamps
+        with _DataSizedOps() as recorded:
+            got = fp.encode(tower, pixels, ids, pooler_float32, lengths=lengths)
+    assert recorded.seen == []
+    assert_items_match(got, stock, stock, torch.float32)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -192,11 +232,11 @@ def test_a_packed_call_that_runs_out_of_memory_is_halved(monkeypatch):
     expected = encode_images(tower, pixels, ids)
     sizes, encode = [], fp.encode
 
-    def limited(tower, pixels, ids, pooler_float32):
+    def limited(tower, pixels, ids, pooler_float32, **kwargs):
         sizes.append(len(pixels))
         if len(pixels) > 2:
             raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
-        return encode(tower, pixels, ids, pooler_float32)
+        return encode(tower, pixels, ids, pooler_float32, **kwargs)
 
     monkeypatch.setattr(fp, "encode", limited)
     with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per packed call; went on with at most 1"):
@@ -211,7 +251,7 @@ def test_a_packed_call_of_one_item_that_runs_out_of_memory_reraises(monkeypatch)
     pixels, ids = mixed_items()
     sizes = []
 
-    def always(tower, pixels, ids, pooler_float32):
+    def always(tower, pixels, ids, pooler_float32, **kwargs):
         sizes.append(len(pixels))
         raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
 

@@ -172,8 +172,10 @@ class Packing:
     def of(cls, lengths: Sequence[int], device) -> Packing:
         """The packing of items of ``lengths`` real patches, in that order, its offsets on ``device``."""
         lengths = tuple(int(length) for length in lengths)
-        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
-        return cls(offsets, lengths, max(lengths))
+        offsets = torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32)
+        if torch.device(device).type == "cuda":  # from pinned memory, queued: a pageable copy would sync
+            return cls(offsets.pin_memory().to(device, non_blocking=True), lengths, max(lengths))
+        return cls(offsets.to(device), lengths, max(lengths))
 
     def attend(self, query, key, value, *, scale, dropout=0.0):
         """``varlen_attention`` within these items, on (T, H, d) heads."""

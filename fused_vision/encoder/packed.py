@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import sys
 from collections.abc import Sequence
 
@@ -33,6 +34,7 @@ __all__ = [
     "run_packed",
     "scatter_rows",
     "soft_tokens",
+    "true_rows",
 ]
 
 # Keywords of Gemma4VisionModel.forward under which the packed forward still returns stock's outputs
@@ -49,31 +51,46 @@ def check_attention(config, argument: str = "encoder") -> None:
 
 def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtype, pooler_float32):
     """The release's tail of ``Gemma4VisionModel.forward``: the tower's pooler, its filled slots, the
-    standardization; returns the (sum T_i, D) soft tokens and each item's count."""
+    standardization; returns the (sum T_i, D) soft tokens and each item's count. One device-to-host
+    sync, for the counts."""
     pooled, mask = tower.pooler(
         hidden_states=hidden_states,
         pixel_position_ids=position_ids,
         padding_positions=padding,
         output_length=output_length,
     )
-    tokens = pooled[mask]
+    counts = mask.sum(dim=1).tolist()
+    tokens = pooled.flatten(0, 1).index_select(0, true_rows(mask.flatten(), sum(counts)))  # pooled[mask]
     if pooler_float32:  # 5.10+: standardize in float32, then back to the working dtype
         if tower.config.standardize:
             tokens = (tokens - tower.std_bias.float()) * tower.std_scale.float()
         tokens = tokens.to(dtype)
     elif tower.config.standardize:  # 5.5-5.9: in the pooled dtype
         tokens = (tokens - tower.std_bias) * tower.std_scale
-    return tokens, mask.sum(dim=1).tolist()
+    return tokens, counts
 
 
-def pack_items(pixel_values: Sequence[torch.Tensor], position_ids: Sequence[torch.Tensor]):
+def true_rows(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of a (R,) mask's ``count`` True rows, in order; unlike boolean indexing, no sync."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
+def pack_items(
+    pixel_values: Sequence[torch.Tensor], position_ids: Sequence[torch.Tensor], lengths: Sequence[int] | None = None
+):
     """Each item's real patches (ids not (-1, -1)), concatenated: its (N_i,) real-row masks, their counts,
-    and the (1, T, K) pixels and (1, T, 2) ids of the packed sequence, in item order."""
+    and the (1, T, K) pixels and (1, T, 2) ids of the packed sequence, in item order. ``lengths``: the
+    counts, where the caller has them; otherwise they are read off the device (one sync for all items)."""
     real = [~(ids == -1).all(dim=-1) for ids in position_ids]
-    lengths = torch.stack([mask.sum() for mask in real]).tolist()
-    pixels = torch.cat([p[mask] for p, mask in zip(pixel_values, real)])[None]
-    ids = torch.cat([i[mask] for i, mask in zip(position_ids, real)])[None]
-    return real, lengths, pixels, ids
+    rows = torch.cat(real)
+    if lengths is None:
+        running = torch.cat([rows.new_zeros(1, dtype=torch.int64), rows.cumsum(0)])
+        ends = torch.stack([running[end] for end in itertools.accumulate((mask.shape[0] for mask in real), initial=0)])
+        lengths = ends.diff().tolist()
+    kept = true_rows(rows, sum(lengths))
+    pixels = torch.cat(list(pixel_values)).index_select(0, kept)[None]
+    ids = torch.cat(list(position_ids)).index_select(0, kept)[None]
+    return real, list(lengths), pixels, ids
 
 
 def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -96,10 +113,13 @@ def encode(
     pixel_values: Sequence[torch.Tensor],
     position_ids: Sequence[torch.Tensor],
     pooler_float32: bool,
+    lengths: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Soft tokens of each item, (N_i, K) pixels and (N_i, 2) ids on the tower's device, in one packed
-    forward: a list of (T_i, D) tensors as the release's ``Gemma4VisionModel.forward`` returns them."""
-    real, lengths, pixels, ids = pack_items(pixel_values, position_ids)
+    forward: a list of (T_i, D) tensors as the release's ``Gemma4VisionModel.forward`` returns them.
+    ``lengths``: each item's real patches, where the caller has counted them (``pack_items``). Syncs
+    the device once per pooler call (items of one N share one), and once more without ``lengths``."""
+    real, lengths, pixels, ids = pack_items(pixel_values, position_ids, lengths)
     no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
     inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
     state = patching.fused_state(tower)

@@ -3,12 +3,13 @@ intermediate 4304; E2B/E4B: hidden 768, 12 heads of 64, intermediate 3072, clipp
 against stock item by item and a float64 twin: no less accurate than stock in any dtype, gradients too."""
 
 import copy
+import warnings
 from contextlib import contextmanager
 
 import pytest
 import torch
 
-from fused_vision import apply_fused_vision_to_gemma4, encode_images
+from fused_vision import apply_fused_vision_to_gemma4, encode_images, packed
 from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
 
 from .conftest import SMOKE, image_ids, sync_debug_mode
@@ -96,7 +97,8 @@ def test_encoder_gradients_as_accurate_as_stock_at_real_layer_shapes(record_prop
 @contextmanager
 def capture_path():
     """Eager calls on the path a CUDA-graph capture takes: with torch's sync debug mode armed the encoder may
-    not read the items' lengths on the host, so it stays padded (one GEMM per clipped projection too)."""
+    not read the items' lengths on the host, so it stays padded (one GEMM per clipped projection too, unless
+    an earlier call compared the clamps)."""
     if DEVICE.type != "cuda":
         yield
         return
@@ -140,3 +142,23 @@ def test_the_fused_encoder_captured_in_a_cuda_graph_replays_as_eager(clipped):
             expected = tower.encoder(**new).last_hidden_state
     valid = new["attention_mask"]
     assert_bit_identical(captured[valid], expected[valid], "real rows")
+
+
+@pytest.mark.parametrize("clipped", [False, True], ids=["26b_31b", "e2b_e4b_clamps"])
+def test_a_packed_call_given_its_lengths_syncs_once_for_its_soft_token_counts(clipped):
+    """The fused tower's packed call as encode_images makes it: items packed, the layers (their clamps read
+    once, by the first call), the stem and pooler without id-check syncs; only the pooled tokens' counts
+    reach the host. Counted in torch's sync debug mode, which warns at each sync."""
+    tower = real_shape_tower(torch.bfloat16, "e2b_e4b" if clipped else "26b_31b")
+    apply_fused_vision_to_gemma4(tower, encoder="fused")
+    pixels, ids = real_shape_batch()
+    lengths = [int((~(i == -1).all(-1)).sum()) for i in ids]
+    with torch.no_grad():
+        expected = packed.encode(tower, pixels, ids, True)  # compiles, tunes and reads the clamps
+        with warnings.catch_warnings(record=True) as caught, capture_path():
+            warnings.simplefilter("always")
+            got = packed.encode(tower, pixels, ids, True, lengths=lengths)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == (1 if DEVICE.type == "cuda" else 0), syncs
+    for item, (tokens, reference) in enumerate(zip(got, expected, strict=True)):
+        assert_bit_identical(tokens, reference, f"item {item}")
