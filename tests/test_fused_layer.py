@@ -152,14 +152,19 @@ def test_a_fused_tower_saves_and_loads(tmp_path):
 
 
 def test_unlike_input_clamps_project_one_by_one(monkeypatch):
+    """Also where a clamp changes in place after a call, which cached its layer's clamps as alike."""
     tower = tower_of("e2b_like")
+    unlike = copy.deepcopy(tower)
+    with torch.no_grad():
+        unlike.encoder.layers[0].self_attn.k_proj.input_min.fill_(-0.3)
+    pixels, ids = mixed_items()
+    stock = alone(unlike, pixels, ids)
+    encode_images(fused(tower), pixels, ids)
     with torch.no_grad():
         tower.encoder.layers[0].self_attn.k_proj.input_min.fill_(-0.3)
-    pixels, ids = mixed_items()
-    stock = alone(tower, pixels, ids)
     rows, linear = [], torch.nn.functional.linear
     monkeypatch.setattr(torch.nn.functional, "linear", lambda x, w, *a: rows.append(w.shape[0]) or linear(x, w, *a))
-    got = encode_images(fused(tower), pixels, ids)
+    got = encode_images(tower, pixels, ids)
     qkv, hidden, gate_up = 3 * 2 * 64, 32, 2 * 64
     per_layer = lambda projections: [*projections, hidden, gate_up, hidden]  # then o_proj, gate/up, down_proj
     assert rows == per_layer([128, 128, 128]) + per_layer([qkv]), "layer 0 one GEMM per projection"

@@ -69,6 +69,7 @@ _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layern
 _NORMS += ("self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm")
 _SHARED = "_fused_vision_weights"  # the layer's {group: concatenated weight}, a plain attribute
 _ACTIVATION = "gelu_pytorch_tanh"
+_CLAMPS_ALIKE = "_fused_vision_clamps_alike"  # the layer's {group: (its bounds' key, alike)}, a plain attribute
 _SHARING: weakref.WeakSet = weakref.WeakSet()  # the layers whose parameters view concatenated weights
 
 
@@ -235,6 +236,25 @@ def release(model: nn.Module | None) -> int:
 # ---- the E2B/E4B clipped linears ---------------------------------------------------------------------
 
 
+def _input_clamps_alike(layer: nn.Module, group: str, clipped: list[nn.Module]) -> bool:
+    """Whether the group's input clamps are all alike, so one GEMM takes one clamped input. The bounds are
+    compared on the host once per change of them (a sync on a GPU), not per call; where no read is
+    allowed and none is cached, False: one GEMM per projection."""
+    if torch.compiler.is_compiling():
+        return False
+    tensors = [bound for m in clipped for bound in (m.input_min, m.input_max)]
+    key = tuple((bound.data_ptr(), bound._version) for bound in tensors)  # in-place writes bump _version
+    cached = layer.__dict__.setdefault(_CLAMPS_ALIKE, {}).get(group)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    if not may_read_on_host(tensors[0]):
+        return False
+    bounds = torch.stack([torch.stack(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
+    alike = bool((bounds == bounds[0]).all())
+    layer.__dict__[_CLAMPS_ALIKE][group] = (key, alike)
+    return alike
+
+
 def _clamp_table(clipped: list[nn.Module], sides: list[str]) -> torch.Tensor | None:
     """The (rows, 2) fp32 (min, max) table of the ops' ``clamps``: one row per (linear, "input"|"output")."""
     if not clipped[0].use_clipped_linears:
@@ -250,9 +270,7 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
     if all(linears.reads_weight(m.linear, y) for m in clipped):
         if not clipped[0].use_clipped_linears:
             return F.linear(y, _gemm_weight(layer, group))
-        bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in clipped])
-        # Comparing the bounds reads them on the host; where that is not allowed, one GEMM per projection.
-        if may_read_on_host(bounds) and bool((bounds == bounds[0]).all()):
+        if _input_clamps_alike(layer, group, clipped):
             return F.linear(torch.clamp(y, clipped[0].input_min, clipped[0].input_max), _gemm_weight(layer, group))
     inputs = (torch.clamp(y, m.input_min, m.input_max) if m.use_clipped_linears else y for m in clipped)
     return torch.cat([linears.project(m.linear, x) for m, x in zip(clipped, inputs)], dim=-1)
