@@ -6,8 +6,9 @@ each take one cost away, and profiled once under Nsight Compute (bench/gpu_run.s
 
 The variants beside each op's public call (``fused``) and its launcher (``fused_kernel``):
 - patch_embed: the launcher on pixels already in the weight dtype (what the fp32 operand A costs), the
-  GEMM alone through F.linear on those (cuBLAS: the matmul's own speed), and ``torch.compile`` of stock;
-- pool_by_positions: the public call with the id checks off (what its device-to-host sync costs).
+  GEMM alone through F.linear on those (cuBLAS: the matmul's own speed), the other embedder (cuBLAS's GEMM,
+  then the lookup kernel adding its rows), and ``torch.compile`` of stock;
+- pool_by_positions: the public call with the id checks off (on a GPU now the default: the two should match).
 GB/s is the op's byte model (the bench's) over the median time, the same bytes for every variant.
 --profile warms every call up (autotuning included), then runs each launcher variant once between
 cudaProfilerStart and cudaProfilerStop, so the profiler sees one launch per variant and no autotuning.
@@ -21,6 +22,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from fused_vision import reference
 from fused_vision._validation import ENV_CHECK_IDS
 from fused_vision.bench.layer_ops import LAYER_OPS
 from fused_vision.bench.measure import Budget, copy_ceiling, synchronize, time_call
@@ -29,7 +31,13 @@ from fused_vision.bench.workloads import HEADLINE_CASE, TINY_CASES, Case
 
 OPS = ("position_embeddings", "patch_embed", "pool_by_positions", "qkv_norm_rope", "residual_rms_norm", "gelu_gate")
 BENCHES = {**STEM_OPS, **LAYER_OPS}
-PROFILED = ("fused_kernel", "pixels pre-cast", "F.linear alone", "compiled")  # the kernels, not the op wrappers
+PROFILED = (
+    "fused_kernel",
+    "pixels pre-cast",
+    "F.linear alone",
+    "F.linear, then the lookup",
+    "compiled",
+)  # the kernels, not the op wrappers
 
 
 def without_id_checks(call: Callable) -> Callable:
@@ -49,11 +57,16 @@ def variants(bench) -> dict[str, Callable]:
     calls = {"fused": bench.call("fused"), "fused_kernel": bench.call("fused_kernel")}
     if bench.name == "patch_embed":
         from fused_vision.kernels.patch_embed import patch_embed
+        from fused_vision.kernels.position_embeddings import position_embeddings as lookup
 
         pixels, weight, *rest = bench.args
         pre_cast = pixels.to(weight.dtype)
         calls["pixels pre-cast"] = partial(patch_embed, pre_cast, weight, *rest)
         calls["F.linear alone"] = partial(F.linear, pre_cast, weight)
+        # The other embedder: cuBLAS's GEMM, then the lookup kernel adding its rows as the epilogue.
+        table, ids, padding = rest
+        prescaled = lambda: reference.prescale_pixels(pixels, weight.dtype)
+        calls["F.linear, then the lookup"] = lambda: lookup(table, ids, padding, F.linear(prescaled(), weight))
         calls["compiled"] = bench.call("compiled")
     if bench.name == "pool_by_positions":
         calls["fused, ids unchecked"] = without_id_checks(bench.call("fused"))
