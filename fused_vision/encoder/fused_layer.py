@@ -244,14 +244,14 @@ def _input_clamps_alike(layer: nn.Module, group: str, clipped: list[nn.Module]) 
         return False
     tensors = [bound for m in clipped for bound in (m.input_min, m.input_max)]
     key = tuple((bound.data_ptr(), bound._version) for bound in tensors)  # in-place writes bump _version
-    cached = layer.__dict__.setdefault(_CLAMPS_ALIKE, {}).get(group)
-    if cached is not None and cached[0] == key:
-        return cached[1]
+    verdicts = layer.__dict__.setdefault(_CLAMPS_ALIKE, {})
+    if group in verdicts and verdicts[group][0] == key:
+        return verdicts[group][1]
     if not may_read_on_host(tensors[0]):
         return False
-    bounds = torch.stack([torch.stack(tensors[i : i + 2]) for i in range(0, len(tensors), 2)])
+    bounds = torch.stack([torch.stack([m.input_min, m.input_max]) for m in clipped])
     alike = bool((bounds == bounds[0]).all())
-    layer.__dict__[_CLAMPS_ALIKE][group] = (key, alike)
+    verdicts[group] = (key, alike)
     return alike
 
 
