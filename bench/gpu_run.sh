@@ -5,7 +5,8 @@
 #   bash bench/gpu_run.sh                              gpu_tests bench                ~6 min, box 470 s
 #   bash bench/gpu_run.sh planner_check kernel_tests   two more                       ~2.5 min, box 300 s
 #   bash bench/gpu_run.sh vllm_encoder                 the last                       ~2 min, box 180 s
-# Three more, for what a run leaves open: profile ncu (why a kernel misses its target) and encoder_compiled.
+# Four more, for what a run leaves open: profile ncu (why a kernel misses its target), attention and
+# encoder_compiled.
 # Where a step failed, rerun it alone. The steps:
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
@@ -25,6 +26,8 @@
 #                  each take one cost away (pre-cast pixels, cuBLAS alone, id checks off)  box 90 s, ~40 s
 #   ncu            the same kernels, one launch each, under Nsight Compute (speed of light, memory,
 #                  occupancy, launch, warp states) into ncu.txt                     box 120 s, ~1 min
+#   attention      bench/tools/attention_paths.py: every attention path this machine has, both towers' heads,
+#                  image 8x280, video 32x70, image 8x1120: time, share of matmul, error vs float64  box 150 s
 #   encoder_compiled  the 26B/31B encoder at image 8x280: stock, torch.compile of it, fused; then the
 #                  goals on those rows (the bench's default run reaches compiled rows last)  box 200 s
 # Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
@@ -70,6 +73,7 @@ if [ "$dry" != 0 ]; then
   vllm_encoder_args=(--tiny)
   profile_args=(--tiny)
   compiled_args=(--tiny --quick)
+  attention_args=(--tiny)
   ncu=()  # the profiled calls run bare
 else
   bench_args=(--time-budget 200)
@@ -78,6 +82,7 @@ else
   vllm_encoder_args=()
   profile_args=()
   compiled_args=(--time-budget 180)
+  attention_args=()
   # --clock-control none: the clocks as in the timed runs. The sections: what bounds a kernel and why.
   ncu=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)" --clock-control none
     --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
@@ -85,12 +90,12 @@ else
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
 declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180
-  [profile]=90 [ncu]=120 [encoder_compiled]=200)
+  [profile]=90 [ncu]=120 [attention]=150 [encoder_compiled]=200)
 [ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do
   if [ -z "${box[$name]:-}" ]; then
-    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder, profile, ncu, encoder_compiled" >&2
+    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder, profile, ncu, attention, encoder_compiled" >&2
     exit 2
   fi
   default_deadline=$((default_deadline + box[$name]))
@@ -176,6 +181,7 @@ for name in "${steps[@]}"; do
     profile) step profile "$python" bench/tools/profile_kernels.py "${profile_args[@]}" ;;
     ncu) step ncu "${ncu[@]}" ${ncu[0]:+--log-file "$checks/ncu.txt"} \
       "$python" bench/tools/profile_kernels.py --profile "${profile_args[@]}" ;;
+    attention) step attention "$python" bench/tools/attention_paths.py --out "$checks" "${attention_args[@]}" ;;
     encoder_compiled) step encoder_compiled "$python" -m fused_vision bench --out "$checks/encoder_compiled" \
       --ops encoder_26b_31b --providers stock,compiled,fused --cases image_8x280 "${compiled_args[@]}"
       [ ! -f "$checks/encoder_compiled/results.csv" ] || "$python" bench/goals.py "$checks/encoder_compiled/results.csv" || status=1 ;;

@@ -1,5 +1,6 @@
 """The backend rule: which path "auto" takes, the environment override, and the warn-once fallback."""
 
+import dataclasses
 import warnings
 from types import SimpleNamespace
 
@@ -8,7 +9,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import fused_vision
-from fused_vision import _dispatch, attention
+from fused_vision import _dispatch
+from fused_vision.encoder import varlen
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
 from fused_vision.reference import default_padding_positions, onehot_position_embeddings
@@ -193,11 +195,12 @@ def test_nvidia_embedder_tiles_per_architecture(arch, shared, expected):
 
 
 def test_rocm_attention_takes_a_varlen_kernel(rocm_gfx942, monkeypatch):
+    """flash-attn's and torch's FlashAttention-2 build for ROCm; FlashAttention-3 and 4 and cuDNN do not."""
     query = torch.empty(8, 2, 64, dtype=torch.bfloat16)
     monkeypatch.setattr(query.__class__, "device", property(lambda self: torch.device("cuda", 0)), raising=False)
-    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: object())
-    assert attention.attention_path(query) == "flash_attn"
-    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
-    monkeypatch.setattr(attention, "_vllm_flash_attn_varlen", lambda: None)
-    monkeypatch.setattr(attention, "_torch_varlen", lambda: object())
-    assert attention.attention_path(query) == "torch_varlen"
+    for name in varlen.PATHS:
+        monkeypatch.setitem(varlen.PATHS, name, dataclasses.replace(varlen.PATHS[name], load=lambda: object()))
+    assert varlen.attention_path(query) == "flash_attn"
+    for name in ("flash_attn", "vllm_flash_attn"):
+        monkeypatch.setitem(varlen.PATHS, name, dataclasses.replace(varlen.PATHS[name], load=lambda: None))
+    assert varlen.attention_path(query) == "torch_varlen"

@@ -2,6 +2,7 @@
 where the host may read it, padded elsewhere; and the fused layers around linears they cannot read."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 import fused_vision.fused_layer as fl
 from fused_vision import apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
 from fused_vision.attention import Packing
+from fused_vision.encoder import varlen
 
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE, GRIDS, KINDS, SEQ_LEN, make_inputs, tower_of
 from helpers import (
@@ -186,15 +188,16 @@ def test_vllms_flash_attention_runs_where_flash_attn_is_missing(monkeypatch, cap
     packing, calls = Packing.of([3, 2], "cpu"), []
 
     def vllm_varlen(
-        q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, dropout_p=0.0, softmax_scale=None
+        q, k, v, max_seqlen_q, cu_seqlens_q, max_seqlen_k, cu_seqlens_k=None, softmax_scale=None, fa_version=2
     ):
         calls.append((max_seqlen_q, cu_seqlens_q.tolist(), max_seqlen_k, cu_seqlens_k.tolist(), softmax_scale))
         return attention.varlen_attention(q, k, v, cu_seqlens_q, packing.lengths, max_seqlen_q, scale=1.0, path="sdpa")
 
-    monkeypatch.setattr(attention, "_flash_kernels_take", lambda query: True)
-    monkeypatch.setattr(attention, "_flash_attn_varlen", lambda: None)
-    monkeypatch.setattr(attention, "_vllm_flash_attn_varlen", lambda: vllm_varlen)
-    attention._log_path.cache_clear()
+    monkeypatch.setattr(varlen, "_flash_inputs", lambda query, max_head_dim: True)
+    monkeypatch.setattr(varlen, "_capability", lambda query: (8, 0))
+    for name, load in (("flash_attn", None), ("vllm_flash_attn", vllm_varlen)):
+        monkeypatch.setitem(varlen.PATHS, name, dataclasses.replace(varlen.PATHS[name], load=lambda load=load: load))
+    varlen._log_path.cache_clear()
     query, key, value = torch.randn(3, 5, 2, 72).unbind(0)
     assert attention.attention_path(query) == "vllm_flash_attn"
     with caplog.at_level("INFO", logger="fused_vision"):

@@ -312,4 +312,4 @@ def test_attention_paths_a_kernel_does_not_take_go_to_sdpa(monkeypatch):
             query = torch.randn(10, 2, head_dim, device=DEVICE, dtype=dtype)
             assert attention.attention_path(query) == "sdpa", (dtype, head_dim)
     with pytest.raises(ValueError, match="path: expected"):
-        attention.varlen_attention(query, query, query, None, [10], 10, scale=1.0, path="flex")
+        attention.varlen_attention(query, query, query, None, [10], 10, scale=1.0, path="flash")

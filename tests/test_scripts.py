@@ -46,8 +46,8 @@ def test_gpu_tests_smoke(tmp_path):
     xml = run_gpu_tests_smoke(tmp_path, 0)
     results = outcomes(xml)
     cuda_only = {name for name, problems in results.items() if problems == [("skipped", "needs CUDA")]}
-    assert len(cuda_only) == 11, "the packed encoder's varlen kernels: CUDA only, even in the smoke run"
-    assert len(results) == 48 and not any(results[name] for name in results.keys() - cuda_only), results
+    assert len(cuda_only) == 36, "the packed encoder's attention paths: CUDA only, even in the smoke run"
+    assert len(results) == 73 and not any(results[name] for name in results.keys() - cuda_only), results
     patch_embed = "test_patch_embed_as_accurate_as_stock_against_float64[bfloat16]"
     case = next(case for case in ElementTree.parse(xml).iter("testcase") if case.get("name") == patch_embed)
     assert {prop.get("name") for prop in case.iter("property")} == {"fused_error", "stock_error"}
@@ -252,6 +252,7 @@ GPU_RUN_STEPS = (
     "vllm_encoder",
     "profile",
     "ncu",
+    "attention",
     "encoder_compiled",
 )
 GPU_RUN_DEFAULT_STEPS = ("gpu_tests", "bench")  # what a call naming no steps runs
@@ -316,7 +317,7 @@ def test_gpu_run_dry_run(tmp_path):
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "gpu_run.log"]
     shards = {f"kernel_tests/shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
     compiled = {f"encoder_compiled/{name}" for name in BENCH_FILES if name != "low_memory.csv"}
-    checks = {"planner_check.json", "planner_check.csv", *shards, "vllm_encoder.md", *compiled}
+    checks = {"planner_check.json", "planner_check.csv", *shards, "vllm_encoder.md", "attention_paths.md", *compiled}
     assert archived(second) == checks  # no ncu.txt: the dry run's profiled calls run without the profiler
 
 
@@ -346,12 +347,14 @@ def test_gpu_run_past_its_deadline_skips_steps_and_still_archives(tmp_path):
 
 def test_gpu_run_runs_from_a_staged_copy_when_pip_cannot_install(tmp_path):
     """Where pip cannot install offline, the steps still run, from a copy of the source in the installed
-    layout (fused_vision.kernels from kernels/)."""
+    layout (fused_vision.kernels from kernels/): a step of each kind, a pytest run (from the copy's tests/),
+    a bench tool and a bench script (test_gpu_run_dry_run runs every step)."""
     python = tmp_path / "python"
     python.write_text(f'#!/bin/sh\n[ "$1 $2" = "-m pip" ] && exit 1\nexec {sys.executable} "$@"\n')
     python.chmod(0o755)
     out = tmp_path / "out"
-    log = gpu_run_log(out, 0, "--out", str(out), *GPU_RUN_STEPS, PYTHON=str(python))
+    steps = ("kernel_tests", "attention", "planner_check")
+    log = gpu_run_log(out, 0, "--out", str(out), *steps, PYTHON=str(python))
     staged = log.split("running from a staged copy of the source in ")[1].split()[0]
     assert f"from {staged}/fused_vision " in log, "the steps import the staged copy"
-    assert_ran(log, GPU_RUN_STEPS)
+    assert_ran(log, steps)

@@ -1,13 +1,15 @@
-"""The packed encoder's varlen attention paths against sdpa per item, on a CUDA GPU: ``pytest -m gpu``.
+"""The packed encoder's varlen attention paths against float64 and sdpa per item, on a CUDA GPU:
+``pytest -m gpu``.
 
-Each path (flash-attn's ``flash_attn_varlen_func``, torch's ``varlen_attn``) runs where this machine has it
-and is skipped, saying why, where not; both real head sizes (64: E2B/E4B, 72: 26B/31B), scale 1.0.
+Each path of ``fused_vision.encoder.varlen`` runs where this machine has it and takes the inputs, and is
+skipped, saying why, where not; both real head sizes (64: E2B/E4B, 72: 26B/31B), scale 1.0.
 """
 
 import pytest
 import torch
 
 from fused_vision import attention
+from fused_vision.encoder import varlen
 
 pytestmark = pytest.mark.gpu
 
@@ -22,23 +24,27 @@ def packed_states(head_dim, dtype, heads=4, seed=0):
     return states, offsets
 
 
-def available(path):
+KERNEL_PATHS = [name for name in varlen.PATHS if name != "sdpa"]
+TRAINABLE_PATHS = [name for name in KERNEL_PATHS if name != "vllm_flash_attn"]  # vLLM builds no backward
+
+
+def states_for(path, head_dim, dtype):
+    """The packed states on the GPU, or a skip saying why ``path`` cannot run them here."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
-    if path == "flash_attn" and attention._flash_attn_varlen() is None:
-        pytest.skip("flash-attn is not importable here")
-    if path == "torch_varlen" and attention._torch_varlen() is None:
-        pytest.skip("this torch has no varlen_attn with flash kernels")
-    if torch.cuda.get_device_capability() < (8, 0):
-        pytest.skip("the varlen kernels need sm80+")
+    (query, key, value), offsets = packed_states(head_dim, dtype)
+    if varlen.PATHS[path].load() is None:
+        pytest.skip(f"{path} is not installed here")
+    if not varlen.PATHS[path].takes(query):
+        pytest.skip(f"{path} takes no {dtype} queries of head_dim {head_dim} on this GPU")
+    return (query, key, value), offsets
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bfloat16", "float16"])
 @pytest.mark.parametrize("head_dim", [64, 72])
-@pytest.mark.parametrize("path", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("path", KERNEL_PATHS)
 def test_varlen_path_matches_sdpa_per_item(path, head_dim, dtype):
-    available(path)
-    (query, key, value), offsets = packed_states(head_dim, dtype)
+    (query, key, value), offsets = states_for(path, head_dim, dtype)
     got = attention.varlen_attention(query, key, value, offsets, LENGTHS, max(LENGTHS), scale=1.0, path=path)
     expected = attention.varlen_attention(query, key, value, offsets, LENGTHS, max(LENGTHS), scale=1.0, path="sdpa")
     exact = attention.varlen_attention(
@@ -54,22 +60,21 @@ def test_varlen_path_matches_sdpa_per_item(path, head_dim, dtype):
 
 @pytest.mark.parametrize("head_dim", [64, 72])
 def test_the_automatic_path_on_this_gpu(head_dim):
+    """Without FUSED_VISION_ATTENTION, the first installed kernel of the order that takes the queries."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     (query, _, _), _ = packed_states(head_dim, torch.bfloat16)
-    varlen = attention._flash_attn_varlen() or attention._torch_varlen()
-    wanted = "sdpa" if varlen is None or torch.cuda.get_device_capability() < (8, 0) else None
-    path = attention.attention_path(query)
-    assert path == wanted if wanted else path in ("flash_attn", "torch_varlen")
+    kernels = [name for name in varlen.AUTO_ORDER[:-1] if varlen.usable(name, query)]
+    assert attention.attention_path(query) == (kernels[0] if kernels else "sdpa")
 
 
-def test_flash_attn_gradients_match_sdpa_per_item():
-    available("flash_attn")
-    (query, key, value), offsets = packed_states(72, torch.bfloat16)
+@pytest.mark.parametrize("path", TRAINABLE_PATHS)
+def test_gradients_match_sdpa_per_item(path):
+    (query, key, value), offsets = states_for(path, 72, torch.bfloat16)
     grads = []
-    for path in ("flash_attn", "sdpa"):
+    for name in (path, "sdpa"):
         inputs = [t.clone().requires_grad_() for t in (query, key, value)]
-        out = attention.varlen_attention(*inputs, offsets, LENGTHS, max(LENGTHS), scale=1.0, path=path)
+        out = attention.varlen_attention(*inputs, offsets, LENGTHS, max(LENGTHS), scale=1.0, path=name)
         out.float().square().mean().backward()
         grads.append([t.grad.float() for t in inputs])
     for got, expected in zip(*grads):
