@@ -293,5 +293,9 @@ def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None = None) -> torc
     (gate first), with the clipped linears' clamps: rows 0 and 1 of ``clamps`` gate's and up's output
     clamps, row 2 down_proj's input clamp."""
     gate, up = gate_up.chunk(2, dim=-1)
-    out = F.gelu(clipped(gate, clamps, 0), approximate="tanh") * clipped(up, clamps, 1)
-    return clipped(out, clamps, 2)
+    activated = F.gelu(clipped(gate, clamps, 0), approximate="tanh")
+    if torch.is_grad_enabled() and gate_up.requires_grad:
+        return clipped(activated * clipped(up, clamps, 1), clamps, 2)
+    # No graph to keep: the product goes into the GELU's buffer, one (..., I) buffer fewer at the MLP's peak.
+    product = activated.mul_(clipped(up, clamps, 1))
+    return product if clamps is None else product.clamp_(clamps[2, 0], clamps[2, 1])
