@@ -241,7 +241,7 @@ def attention_path(query: torch.Tensor, dropout: float = 0.0) -> str:
         warn_once(f"{ENV_ATTENTION}={requested}: not installed, or it takes no {inputs}: the first path that does", 2)
     name = next(name for name in AUTO_ORDER if usable(name, query, dropout))
     if name == "sdpa" and query.device.type == "cuda":
-        warn_once(f"packed encoder: no varlen kernel for {query.dtype}, head_dim {query.shape[-1]}: sdpa per item", 2)
+        warn_once(f"packed encoder: no varlen kernel for {query.dtype}, head_dim {query.shape[-1]}: sdpa", 2)
     return name
 
 
