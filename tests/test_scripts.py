@@ -269,7 +269,7 @@ def run_gpu_run_dry(expected_code, *args, cwd, **env):
         text=True,
         env=env,
         cwd=cwd,
-        timeout=600,
+        timeout=1800,
     )
     assert result.returncode == expected_code, result.stdout + result.stderr
     return result
