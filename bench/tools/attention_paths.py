@@ -22,7 +22,8 @@ from fused_vision.bench.workloads import TINY_CASES, Case
 from fused_vision.encoder import varlen
 
 CASES = ("image_8x280", "video_32x70", "image_8x1120")
-TINY_HEADS = {"tower_26b_31b": (2, 72), "tower_e2b_e4b": (2, 64)}
+TOWERS = ("tower_26b_31b", "tower_e2b_e4b")  # the 26B/31B tower first: the headline
+TINY_HEADS = 2  # --tiny: two heads of each tower's head_dim
 
 
 def packed_inputs(case: Case, heads: int, head_dim: int, dtype: torch.dtype, device: torch.device):
@@ -88,9 +89,9 @@ def main() -> None:
     ]
     print("\n".join(lines), flush=True)
     try:
-        for tower in TINY_HEADS:  # the 26B/31B tower first: the headline
+        for tower in TOWERS:
             shape = VISION_TOWERS[tower]
-            heads, head_dim = TINY_HEADS[tower] if args.tiny else (shape["num_attention_heads"], shape["head_dim"])
+            heads, head_dim = TINY_HEADS if args.tiny else shape["num_attention_heads"], shape["head_dim"]
             for case in cases:
                 lines += case_rows(tower, case, heads, head_dim, dtype, device, budget, matmul.tflops)
     except KeyboardInterrupt:  # the step's time box: keep what was measured
