@@ -13,8 +13,9 @@
 #                  the table gradient, the packed and fused encoders' outputs and gradients vs float64
 #                  at both towers' layer shapes), with syncs forbidden and in CUDA graphs
 #                                                                                  box 200 s, ~2 to 3 min
-#   bench          python -m fused_vision bench (its --time-budget bounds it)       box 270 s, ~3.5 min
-#                  then bench/goals.py: the project's goals judged from its results.csv
+#   bench          python -m fused_vision bench --profile (its --time-budget bounds it)  box 270 s, ~3.5 min
+#                  then bench/goals.py: the project's goals judged from its results.csv; profile.md
+#                  splits each tower and encoder row's time by category
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
 #   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
 #                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
@@ -28,8 +29,9 @@
 #                  occupancy, launch, warp states) into ncu.txt                     box 120 s, ~1 min
 #   attention      bench/tools/attention_paths.py: every attention path this machine has, both towers' heads,
 #                  image 8x280, video 32x70, image 8x1120: time, share of matmul, error vs float64  box 150 s
-#   encoder_compiled  the 26B/31B encoder at image 8x280: stock, torch.compile of it, fused; then the
-#                  goals on those rows (the bench's default run reaches compiled rows last)  box 200 s
+#   encoder_compiled  both encoders at image 8x280, video 32x70 and image 8x1120: stock, torch.compile
+#                  of it, fused, profiled; then the goals on those rows (the bench's default run reaches
+#                  compiled rows last; six compiles of 25 to 60 s each)                box 480 s
 # Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
 # checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs, vllm_encoder.md), so DIR
 # holds few files.
@@ -72,16 +74,16 @@ if [ "$dry" != 0 ]; then
   shards_args=(--shards 2)
   vllm_encoder_args=(--tiny)
   profile_args=(--tiny)
-  compiled_args=(--tiny --quick)
+  compiled_args=(--tiny --quick --ops encoder_26b_31b --cases image_8x280)
   attention_args=(--tiny)
   ncu=()  # the profiled calls run bare
 else
-  bench_args=(--time-budget 200)
+  bench_args=(--time-budget 200 --profile)
   planner_args=()
   shards_args=()
   vllm_encoder_args=()
   profile_args=()
-  compiled_args=(--time-budget 180)
+  compiled_args=(--time-budget 450 --ops encoder --cases image_8x280,video_32x70,image_8x1120)
   attention_args=()
   # --clock-control none: the clocks as in the timed runs. The sections: what bounds a kernel and why.
   ncu=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)" --clock-control none
@@ -90,7 +92,7 @@ else
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
 declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180
-  [profile]=90 [ncu]=120 [attention]=150 [encoder_compiled]=200)
+  [profile]=90 [ncu]=120 [attention]=150 [encoder_compiled]=480)
 if [ "$dry" != 0 ]; then  # the interpreter at toy sizes, on CPUs a test suite's other workers share: 3x the boxes
   for name in "${!box[@]}"; do box[$name]=$((box[$name] * 3)); done
 fi
@@ -186,7 +188,7 @@ for name in "${steps[@]}"; do
       "$python" bench/tools/profile_kernels.py --profile "${profile_args[@]}" ;;
     attention) step attention "$python" bench/tools/attention_paths.py --out "$checks" "${attention_args[@]}" ;;
     encoder_compiled) step encoder_compiled "$python" -m fused_vision bench --out "$checks/encoder_compiled" \
-      --ops encoder_26b_31b --providers stock,compiled,fused --cases image_8x280 "${compiled_args[@]}"
+      --providers stock,compiled,fused --profile "${compiled_args[@]}"
       [ ! -f "$checks/encoder_compiled/results.csv" ] || "$python" bench/goals.py "$checks/encoder_compiled/results.csv" || status=1 ;;
   esac
 done

@@ -112,6 +112,7 @@ _functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor  # vmap's a
 _grad_tracking = torch._C._functorch.is_gradtrackingtensor  # torch.func.grad's, jacrev's, jvp's, ...
 _functorch_transform = torch._C._functorch.peek_interpreter_stack  # None outside every torch.func transform
 _functorch_unwrap = torch._C._functorch.get_unwrapped
+_profiling = torch._C._autograd._profiler_enabled  # torch.profiler is recording
 
 
 def every_item(tensor: torch.Tensor) -> torch.Tensor:
@@ -146,8 +147,9 @@ def through_dispatcher(*tensors: torch.Tensor | None) -> bool:
     tracer (a dispatch mode, fake or other tensor subclasses, vmap's batched tensors), for meta tensors
     (the op's fake implementation gives their shapes), or when autograd will record it. Plain eager
     inference skips the dispatcher's overhead and calls the implementation directly; a kernel never
-    sees a tensor it cannot read. Every tensor argument counts, the ids and padding mask included."""
-    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode():
+    sees a tensor it cannot read. Every tensor argument counts, the ids and padding mask included. Under
+    torch's profiler too: the op's name then marks its kernels and ops in the trace."""
+    if torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or _profiling():
         return True
     grad = torch.is_grad_enabled()
     return any(t is not None and (not _plain(t) or grad and t.requires_grad) for t in tensors)

@@ -316,7 +316,8 @@ def test_gpu_run_dry_run(tmp_path):
     assert_ran(gpu_run_log(second, 0, *rest, GPU_RUN_OUT=str(second)), rest)
     assert sorted(path.name for path in second.iterdir()) == ["checks.tgz", "gpu_run.log"]
     shards = {f"kernel_tests/shard.{shard}.{kind}" for shard in range(2) for kind in ("log", "xml")}
-    compiled = {f"encoder_compiled/{name}" for name in BENCH_FILES if name != "low_memory.csv"}
+    profiled = ["profile.csv", "profile.md"]  # the encoder rows' --profile
+    compiled = {f"encoder_compiled/{name}" for name in [*BENCH_FILES, *profiled] if name != "low_memory.csv"}
     checks = {"planner_check.json", "planner_check.csv", *shards, "vllm_encoder.md", "attention_paths.md", *compiled}
     assert archived(second) == checks  # no ncu.txt: the dry run's profiled calls run without the profiler
 

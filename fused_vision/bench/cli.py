@@ -116,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="tiny shapes and one-layer towers, to check that the bench runs (with the device's default ops "
         "and providers unless --ops or --providers say otherwise)",
     )
+    bench.add_argument(
+        "--profile",
+        action="store_true",
+        help="also profile one call of every tower and encoder row (torch.profiler): its time by category "
+        "(GEMMs, attention, each fused op, copies and casts, elementwise, host gaps), in profile.csv and profile.md",
+    )
     defaults = ", ".join(
         f"{seconds:g} on a {'GPU' if device == 'cuda' else 'CPU'}" for device, seconds in DEFAULT_TIME_BUDGET_S.items()
     )
@@ -155,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
         quick=args.quick,
         tiny=args.tiny,
         time_budget_s=args.time_budget,
+        profile=args.profile,
         command=command,
     )
     try:

@@ -270,3 +270,5 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
             **rates,
         )
         session.record(row, first_call_s)
+    for provider, call in calls.items():
+        session.profile(op, provider, mix, call)

@@ -56,6 +56,7 @@ class Options:
     quick: bool = False
     tiny: bool = False
     time_budget_s: float | None = None  # None: the device's default; 0: no limit
+    profile: bool = False  # one profiled call per tower and encoder row, by category (``profile``)
     command: str = ""
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 from .encoder import ENCODER_PROVIDERS, ENCODER_TOWERS, layer_note
 from .measure import Ceiling
 from .plots import plot
+from .profile import PROFILE_COLUMNS, profile_table
 from .rows import COLUMNS, ENVIRONMENT_COLUMNS, LOW_MEMORY_COLUMNS, write_csv
 from .text import (
     ABOVE_CEILING_NOTE,
@@ -306,4 +307,28 @@ def write_all(session, out: Path, providers: tuple[str, ...], ops: tuple[str, ..
             write_csv(out / name, columns, table)
             written.append(name)
     (out / "results.md").write_text(markdown(session, rows, providers, stem_ops, summary))
-    return [*written, "results.md", *plot(session, rows, providers, out), "log.txt"]
+    written.append("results.md")
+    if session.profile_rows:
+        write_csv(out / "profile.csv", PROFILE_COLUMNS, session.profile_rows)
+        (out / "profile.md").write_text(profile_markdown(session))
+        written += ["profile.csv", "profile.md"]
+    return [*written, *plot(session, rows, providers, out), "log.txt"]
+
+
+def profile_markdown(session) -> str:
+    """profile.md: each profiled call's milliseconds by category, and how they were measured."""
+    env = session.environment
+    where = "CUDA time of its kernels" if session.options.device.type == "cuda" else "CPU time of its ops"
+    lines = [
+        f"# Where the time goes: {env['gpu']}, {session.dtype_name}",
+        "",
+        f"One call per row under torch.profiler, after the timed calls: the {where} by category, and host gaps "
+        "(on a GPU, the call's time with no kernel running; on a CPU, its time outside every op). A profiled "
+        "call runs slower than a timed one; the shares are what to read.",
+        "",
+        *profile_table(session.profile_rows),
+        f"torch {env['torch']}, triton {env['triton'] or '-'}, transformers {env['transformers'] or '-'}, "
+        f"fused_vision {env['fused_vision']}; command: `{session.options.command}`",
+        "",
+    ]
+    return portable("\n".join(lines))

@@ -42,6 +42,7 @@ from .measure import (
 )
 from .ops import Unsupported
 from .plan import DEFAULT_HIDDEN, OP_BENCHES, OPS, PROVIDERS, Options, Plan
+from .profile import CATEGORIES, profile_call
 from .rows import SPEED, timing_row
 from .summary import summary_lines
 from .text import CORRECTNESS, low_memory_summary, portable, progress_summary, significant
@@ -115,6 +116,7 @@ class Session:
         self.tower_budget = QUICK_TOWER_BUDGET if options.quick else TOWER_BUDGET
         self.rows: list[dict] = []
         self.low_memory_rows: list[dict] = []
+        self.profile_rows: list[dict] = []
         self.skipped: list[dict] = []
         self.failed_sections: list[str] = []
         self.interrupted = False
@@ -208,6 +210,27 @@ class Session:
         )
         self.record(row, first_call_s)
         return result
+
+    def profile(self, op: str, provider: str, case: Case | Mix, call: Callable[[], object]) -> None:
+        """Under ``--profile``, one more call of a timed row under torch's profiler: its time by category."""
+        if not self.options.profile:
+            return
+        failure = self.time_budget_reason() if self.out_of_time() else None
+        try:
+            if failure is None:
+                row = dict(op=op, provider=provider, case=case.name, **profile_call(call, self.options.device))
+        except Exception as exc:  # a profiler this torch lacks: the timed row stands, the log says why
+            failure = describe(exc)
+        if failure:
+            self.log(f"    {op} {provider} {case.name}: not profiled: {failure}")
+            return
+        self.profile_rows.append(row | self.environment)
+        shares = sorted(((ms, name) for name, ms in row.items() if name in CATEGORIES and ms), reverse=True)
+        total = sum(ms for ms, _ in shares)
+        self.log(
+            f"    {op} {provider} {case.name} profiled: "
+            + ", ".join(f"{name} {100 * ms / total:.0f}%" for ms, name in shares[:4])
+        )
 
     def rates(self, ms: float, model_bytes: int, flops: int, *, floor: bool = True) -> dict:
         """GB/s and TFLOP/s of a call of ``ms``; their shares of the ceilings, and the floor where ``floor``,

@@ -159,6 +159,7 @@ def bench_tower(session, name: str, providers: tuple[str, ...], tower_cases: tup
             output = session.run(name, provider, case, hidden, lambda: call, budget=session.tower_budget)
             if output is None:
                 continue
+            session.profile(name, provider, case, call)
             baseline, expected = first_outputs.setdefault(case, (provider, output))
             if baseline != provider:
                 difference = (output.float() - expected.float()).abs().max().item()
