@@ -291,25 +291,24 @@ def _checked_path(tower, items: _Items, indices) -> str:
     return path
 
 
-def _real_patches(tower, pixels, ids) -> list[int]:
-    """Each item's real patches (ids other than (-1, -1)), checked as the packed encoder needs them."""
-    kernel_area = tower.config.pooling_kernel_size**2
+def _item_counts(tower, pixels, ids) -> packed.ItemCounts:
+    """Every item's ``packed.count_items`` (one sync for all), checked as the packed encoder needs them."""
+    kernel = tower.config.pooling_kernel_size
     table_rows = tower.config.position_embedding_size
-    counts = []
-    for index, (item_pixels, item_ids) in enumerate(zip(pixels, ids)):
-        if item_pixels.shape[0] % kernel_area:
+    for index, item_pixels in enumerate(pixels):
+        if item_pixels.shape[0] % kernel**2:
             raise ValueError(
                 f"pixel_values: item {index}: {item_pixels.shape[0]} patches, not a multiple of the pooling "
-                f"kernel's {kernel_area}"
+                f"kernel's {kernel**2}"
             )
-        real = item_ids[~(item_ids == -1).all(dim=-1)]
-        if real.shape[0] == 0:
+    counts = packed.count_items(ids, kernel, table_rows)
+    for index, (real, outside) in enumerate(zip(counts.real, counts.outside_table)):
+        if real == 0:
             raise ValueError(f"pixel_position_ids: item {index}: no real patch (every id is (-1, -1))")
-        if bool(((real < 0) | (real >= table_rows)).any()):
+        if outside:
             raise ValueError(
                 f"pixel_position_ids: item {index}: real patch ids outside the position table's [0, {table_rows})"
             )
-        counts.append(real.shape[0])
     return counts
 
 
@@ -317,7 +316,8 @@ def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch
     """Packed calls filled in input order up to the planner's token budget; halved on out-of-memory."""
     if not items.pixels:
         return []
-    real = _real_patches(tower, items.pixels, items.ids)
+    counts = _item_counts(tower, items.pixels, items.ids)
+    real = counts.real
     path = _checked_path(tower, items, range(len(real)))
     # Each call copies its items' real rows (concatenated, and moved to the device).
     input_bytes = items.pixels[0][0].nbytes + items.ids[0][0].nbytes
@@ -344,7 +344,7 @@ def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch
     def encode(start: int, end: int) -> list[torch.Tensor]:
         pixels = [p.to(device) for p in items.pixels[start:end]]
         ids = [i.to(device) for i in items.ids[start:end]]
-        return packed.encode(tower, pixels, ids, pooler_float32, lengths=real[start:end])
+        return packed.encode(tower, pixels, ids, pooler_float32, counts.part(start, end))
 
     chunks = HalvingChunks(max_batch, device)
     outputs = chunks.run_consecutive(len(real), fill, encode)

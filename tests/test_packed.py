@@ -48,9 +48,9 @@ def packed_calls(monkeypatch):
     """The items of each packed encoder call."""
     calls, encode = [], fp.encode
 
-    def recording(tower, pixels, ids, pooler_float32, **kwargs):
+    def recording(tower, pixels, ids, pooler_float32, *args, **kwargs):
         calls.append(len(pixels))
-        return encode(tower, pixels, ids, pooler_float32, **kwargs)
+        return encode(tower, pixels, ids, pooler_float32, *args, **kwargs)
 
     monkeypatch.setattr(fp, "encode", recording)
     return calls
@@ -89,22 +89,39 @@ class _DataSizedOps(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("encoder", ["packed", "fused"])
-def test_a_packed_call_given_its_lengths_sizes_nothing_by_the_data(encoder):
+def test_a_packed_call_given_its_counts_sizes_nothing_by_the_data(encoder, monkeypatch):
     """Items packed and their soft tokens gathered by indices whose counts the host holds, and the clipped
-    linears' clamps compared by the first call only: nothing else that would sync a GPU (the one sync
-    left, for the pooled tokens' counts, is a ``tolist``, which no dispatch mode sees)."""
+    linears' clamps compared by the first call only: nothing that would sync a GPU. Counting the items
+    reads the device once, in one ``tolist`` (which no dispatch mode sees: the host reads are counted).
+    The ops' PyTorch path checks its ids on the host, which the kernels do on the device: checks off."""
     tower = tower_of("e2b_like")
     pixels, ids = mixed_items()
     stock = alone(tower, pixels, ids)
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
-    lengths = [int((~(i == -1).all(-1)).sum()) for i in ids]
+    config = tower.config
     pooler_float32 = transformers_integration.pooler_returns_float32()
+    reads = []
+    for name in ("tolist", "item", "__bool__"):
+        monkeypatch.setattr(torch.Tensor, name, _recorded(getattr(torch.Tensor, name), name, reads))
     with torch.no_grad():
         fp.encode(tower, pixels, ids, pooler_float32)  # the first call reads the clamps
+        reads.clear()
+        counts = fp.count_items(ids, config.pooling_kernel_size, config.position_embedding_size)
+        assert reads == ["tolist"], "one read of the device for all items"
+        reads.clear()
+        monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
         with _DataSizedOps() as recorded:
-            got = fp.encode(tower, pixels, ids, pooler_float32, lengths=lengths)
-    assert recorded.seen == []
+            got = fp.encode(tower, pixels, ids, pooler_float32, counts)
+    assert recorded.seen == [] and reads == []
     assert_items_match(got, stock, stock, torch.float32)
+
+
+def _recorded(method, name, reads):
+    def recording(self, *args, **kwargs):
+        reads.append(name)
+        return method(self, *args, **kwargs)
+
+    return recording
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
@@ -232,11 +249,11 @@ def test_a_packed_call_that_runs_out_of_memory_is_halved(monkeypatch):
     expected = encode_images(tower, pixels, ids)
     sizes, encode = [], fp.encode
 
-    def limited(tower, pixels, ids, pooler_float32, **kwargs):
+    def limited(tower, pixels, ids, pooler_float32, counts):
         sizes.append(len(pixels))
         if len(pixels) > 2:
             raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
-        return encode(tower, pixels, ids, pooler_float32, **kwargs)
+        return encode(tower, pixels, ids, pooler_float32, counts)
 
     monkeypatch.setattr(fp, "encode", limited)
     with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per packed call; went on with at most 1"):
@@ -251,7 +268,7 @@ def test_a_packed_call_of_one_item_that_runs_out_of_memory_reraises(monkeypatch)
     pixels, ids = mixed_items()
     sizes = []
 
-    def always(tower, pixels, ids, pooler_float32, **kwargs):
+    def always(tower, pixels, ids, pooler_float32, counts):
         sizes.append(len(pixels))
         raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
 

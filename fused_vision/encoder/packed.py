@@ -10,22 +10,27 @@ Details: docs/encoders.md.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import itertools
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from .. import reference
 from ..integrations import patching
 from . import attention, fused_layer
 from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
 __all__ = [
     "attention_supported",
+    "ItemCounts",
     "check_attention",
+    "count_items",
     "encode",
     "encoder_target",
     "pack_items",
@@ -49,17 +54,17 @@ def check_attention(config, argument: str = "encoder") -> None:
         )
 
 
-def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtype, pooler_float32):
+def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtype, pooler_float32, counts=None):
     """The release's tail of ``Gemma4VisionModel.forward``: the tower's pooler, its filled slots, the
-    standardization; returns the (sum T_i, D) soft tokens and each item's count. One device-to-host
-    sync, for the counts."""
+    standardization; returns the (sum T_i, D) soft tokens and each item's count. ``counts``: the items'
+    filled slots where the caller has them (``count_items``), else read off the device (one sync)."""
     pooled, mask = tower.pooler(
         hidden_states=hidden_states,
         pixel_position_ids=position_ids,
         padding_positions=padding,
         output_length=output_length,
     )
-    counts = mask.sum(dim=1).tolist()
+    counts = mask.sum(dim=1).tolist() if counts is None else list(counts)
     tokens = pooled.flatten(0, 1).index_select(0, true_rows(mask.flatten(), sum(counts)))  # pooled[mask]
     if pooler_float32:  # 5.10+: standardize in float32, then back to the working dtype
         if tower.config.standardize:
@@ -68,6 +73,58 @@ def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtyp
     elif tower.config.standardize:  # 5.5-5.9: in the pooled dtype
         tokens = (tokens - tower.std_bias) * tower.std_scale
     return tokens, counts
+
+
+@dataclass(frozen=True)
+class ItemCounts:
+    """What packing needs to know of each item, in item order: its real patches (ids other than (-1, -1)),
+    the pooler slots it fills (stock's pooler mask), whether a real id lies outside the position table,
+    and whether its patches need a slot past the pooler's output."""
+
+    real: tuple[int, ...]
+    pooled: tuple[int, ...]
+    outside_table: tuple[bool, ...]
+    past_slots: tuple[bool, ...]
+
+    def part(self, start: int, end: int) -> ItemCounts:
+        """The counts of items ``start`` to ``end``."""
+        return ItemCounts(*(values[start:end] for values in dataclasses.astuple(self)))
+
+
+def count_items(position_ids: Sequence[torch.Tensor], kernel: int, table_rows: int) -> ItemCounts:
+    """``ItemCounts`` of items of (N_i, 2) ids pooled ``kernel`` x ``kernel``: one pass per patch count on
+    the device, one device-to-host sync for all items. An N_i that is not a multiple of ``kernel**2``
+    counts -1 pooled slots (stock's pooler raises on it)."""
+    groups: dict[tuple[torch.device, int], list[int]] = {}
+    for index, ids in enumerate(position_ids):
+        groups.setdefault((ids.device, ids.shape[0]), []).append(index)
+    columns: dict[torch.device, list[torch.Tensor]] = {}
+    order: dict[torch.device, list[int]] = {}
+    for (device, patches), members in groups.items():
+        ids = torch.stack([position_ids[m] for m in members])
+        real = ~(ids == -1).all(dim=-1)
+        outside = (real & ((ids < 0) | (ids >= table_rows)).any(dim=-1)).any(dim=-1)
+        slots_per_item, remainder = divmod(patches, kernel * kernel)
+        past = torch.zeros_like(outside)
+        if remainder or slots_per_item == 0:
+            pooled = torch.full_like(outside, -1, dtype=torch.int64)
+        elif kernel == 1:  # no pooling: stock's mask is then the padding's
+            pooled = (~real).sum(dim=1)
+        else:  # as the reference pooler: a slot past the output counts at slot 0, the item is NaN there
+            slots = reference.pooling_slots(ids, kernel)
+            past = (slots >= slots_per_item).any(dim=1)
+            slots = slots.masked_fill(slots >= slots_per_item, 0)
+            filled = torch.zeros(len(members), slots_per_item, dtype=torch.bool, device=device)
+            pooled = filled.scatter_(1, slots, True).sum(dim=1)
+        column = torch.stack([real.sum(dim=1), pooled, outside.long(), past.long()], dim=1)
+        columns.setdefault(device, []).append(column)
+        order.setdefault(device, []).extend(members)
+    rows: list = [None] * len(position_ids)
+    for device, parts in columns.items():  # the one sync (per device the items are on)
+        for member, row in zip(order[device], torch.cat(parts).tolist()):
+            rows[member] = row
+    real, pooled, outside, past = zip(*rows) if rows else ((),) * 4
+    return ItemCounts(real, pooled, tuple(map(bool, outside)), tuple(map(bool, past)))
 
 
 def true_rows(mask: torch.Tensor, count: int) -> torch.Tensor:
@@ -113,13 +170,15 @@ def encode(
     pixel_values: Sequence[torch.Tensor],
     position_ids: Sequence[torch.Tensor],
     pooler_float32: bool,
-    lengths: Sequence[int] | None = None,
+    counts: ItemCounts | None = None,
 ) -> list[torch.Tensor]:
     """Soft tokens of each item, (N_i, K) pixels and (N_i, 2) ids on the tower's device, in one packed
     forward: a list of (T_i, D) tensors as the release's ``Gemma4VisionModel.forward`` returns them.
-    ``lengths``: each item's real patches, where the caller has counted them (``pack_items``). Syncs
-    the device once per pooler call (items of one N share one), and once more without ``lengths``."""
-    real, lengths, pixels, ids = pack_items(pixel_values, position_ids, lengths)
+    ``counts``: the items' ``count_items``, where the caller has them; without them the call counts
+    them itself, its one device-to-host sync. Given them, it syncs nowhere."""
+    if counts is None:
+        counts = count_items(position_ids, tower.config.pooling_kernel_size, tower.config.position_embedding_size)
+    real, lengths, pixels, ids = pack_items(pixel_values, position_ids, counts.real)
     no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
     inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
     state = patching.fused_state(tower)
@@ -136,10 +195,12 @@ def encode(
         rows = torch.cat([segments[m] for m in members])
         padded = scatter_rows(rows, mask)
         group_ids = torch.stack([position_ids[m] for m in members])
-        tokens, counts = soft_tokens(
-            tower, padded, group_ids, ~mask, patches // (kernel * kernel), inputs_embeds.dtype, pooler_float32
+        pooled = [counts.pooled[m] for m in members]
+        output_length = patches // (kernel * kernel)
+        tokens, pooled = soft_tokens(
+            tower, padded, group_ids, ~mask, output_length, inputs_embeds.dtype, pooler_float32, pooled
         )
-        for member, item_tokens in zip(members, torch.split(tokens, counts)):
+        for member, item_tokens in zip(members, torch.split(tokens, pooled)):
             outputs[member] = item_tokens
     return outputs
 
@@ -169,9 +230,7 @@ def _packs(tower, pixel_values, pixel_position_ids, kwargs) -> bool:
         return False
     if getattr(config, "return_dict", True) is False:
         return False
-    if not padded_batch(pixel_values, pixel_position_ids):
-        return False
-    return bool((pixel_position_ids != -1).any())  # nothing real: stock's own forward
+    return padded_batch(pixel_values, pixel_position_ids)
 
 
 def padded_batch(pixel_values, pixel_position_ids) -> bool:
@@ -206,6 +265,10 @@ def packed_model_forward(self, pixel_values, pixel_position_ids, **kwargs):
     if state is None or not packs:
         return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
     check_attention(self.config)
+    position_ids = list(pixel_position_ids)
+    counts = count_items(position_ids, self.config.pooling_kernel_size, self.config.position_embedding_size)
+    if not any(counts.real):  # nothing real: stock's own forward
+        return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
     output_class = stock_output_class(next(cls for cls in type(self).__mro__ if "forward" in cls.__dict__))
-    tokens = encode(self, list(pixel_values), list(pixel_position_ids), state.pooler_float32)
+    tokens = encode(self, list(pixel_values), position_ids, state.pooler_float32, counts)
     return output_class(last_hidden_state=torch.cat(tokens))

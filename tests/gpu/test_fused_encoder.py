@@ -145,20 +145,25 @@ def test_the_fused_encoder_captured_in_a_cuda_graph_replays_as_eager(clipped):
 
 
 @pytest.mark.parametrize("clipped", [False, True], ids=["26b_31b", "e2b_e4b_clamps"])
-def test_a_packed_call_given_its_lengths_syncs_once_for_its_soft_token_counts(clipped):
-    """The fused tower's packed call as encode_images makes it: items packed, the layers (their clamps read
-    once, by the first call), the stem and pooler without id-check syncs; only the pooled tokens' counts
-    reach the host. Counted in torch's sync debug mode, which warns at each sync."""
+def test_a_packed_call_syncs_once_to_count_its_items_and_nowhere_given_the_counts(clipped):
+    """The fused tower's packed call as encode_images makes it: the items counted in one sync, then packed,
+    the layers (their clamps read once, by the first call), the stem and pooler without id-check syncs,
+    and the soft tokens split by the counts. Counted in torch's sync debug mode, which warns at each sync."""
     tower = real_shape_tower(torch.bfloat16, "e2b_e4b" if clipped else "26b_31b")
     apply_fused_vision_to_gemma4(tower, encoder="fused")
     pixels, ids = real_shape_batch()
-    lengths = [int((~(i == -1).all(-1)).sum()) for i in ids]
+    config = tower.config
     with torch.no_grad():
         expected = packed.encode(tower, pixels, ids, True)  # compiles, tunes and reads the clamps
+        with warnings.catch_warnings(record=True) as counting, capture_path():
+            warnings.simplefilter("always")
+            counts = packed.count_items(ids, config.pooling_kernel_size, config.position_embedding_size)
         with warnings.catch_warnings(record=True) as caught, capture_path():
             warnings.simplefilter("always")
-            got = packed.encode(tower, pixels, ids, True, lengths=lengths)
-    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+            got = packed.encode(tower, pixels, ids, True, counts)
+    syncs = [str(w.message) for w in counting if "synchroniz" in str(w.message)]
     assert len(syncs) == (1 if DEVICE.type == "cuda" else 0), syncs
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, syncs
     for item, (tokens, reference) in enumerate(zip(got, expected, strict=True)):
         assert_bit_identical(tokens, reference, f"item {item}")
