@@ -6,6 +6,7 @@ from importlib.metadata import version as _version
 
 from . import _checkout  # noqa: F401  (from a source tree, makes fused_vision.kernels the checkout's kernels/)
 from .encoder import attention, fused_layer, linears, packed
+from .encoder.graphs import GraphedEncoder
 from .encoding import encode_images
 from .integrations import patching, sglang, vllm
 from .integrations import transformers as gemma4
@@ -43,6 +44,7 @@ except PackageNotFoundError:  # running from a source tree that was never instal
     __version__ = "0+unknown"
 
 __all__ = [
+    "GraphedEncoder",
     "apply_fused_vision_to_gemma4",
     "apply_fused_vision_to_sglang_gemma4",
     "apply_fused_vision_to_vllm_gemma4",

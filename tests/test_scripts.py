@@ -47,7 +47,7 @@ def test_gpu_tests_smoke(tmp_path):
     results = outcomes(xml)
     cuda_only = {name for name, problems in results.items() if problems == [("skipped", "needs CUDA")]}
     assert len(cuda_only) == 36, "the packed encoder's attention paths: CUDA only, even in the smoke run"
-    assert len(results) == 73 and not any(results[name] for name in results.keys() - cuda_only), results
+    assert len(results) == 75 and not any(results[name] for name in results.keys() - cuda_only), results
     patch_embed = "test_patch_embed_as_accurate_as_stock_against_float64[bfloat16]"
     case = next(case for case in ElementTree.parse(xml).iter("testcase") if case.get("name") == patch_embed)
     assert {prop.get("name") for prop in case.iter("property")} == {"fused_error", "stock_error"}

@@ -27,15 +27,17 @@ from . import attention, fused_layer
 from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
 __all__ = [
-    "attention_supported",
     "ItemCounts",
+    "attention_supported",
     "check_attention",
     "count_items",
     "encode",
+    "encoded_rows",
     "encoder_target",
     "pack_items",
     "packed_model_forward",
     "padded_batch",
+    "pooled_items",
     "run_packed",
     "scatter_rows",
     "soft_tokens",
@@ -155,12 +157,11 @@ def scatter_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return rows.new_zeros(*mask.shape, rows.shape[-1]).masked_scatter(mask[..., None], rows)
 
 
-def run_packed(encoder: nn.Module, rows, ids, lengths, backend: str | None) -> torch.Tensor:
-    """The encoder's layers on (T, D) packed ``rows`` with (T, 2) ``ids``, items of ``lengths`` rows, each
-    layer handed the items' ``Packing`` as its attention mask (so its attention stays within each item, in
-    every replay of the call); fused (``fused_vision.encoder.fused_layer``) with a ``backend``, else stock's."""
+def run_packed(encoder: nn.Module, rows, ids, packing: Packing, backend: str | None) -> torch.Tensor:
+    """The encoder's layers on (T, D) packed ``rows`` with (T, 2) ``ids``, each layer handed the items'
+    ``packing`` as its attention mask (so its attention stays within each item, in every replay of the
+    call); fused (``fused_vision.encoder.fused_layer``) with a ``backend``, else stock's."""
     attention.install()
-    packing = Packing.of(lengths, rows.device)
     stock_kwargs = lambda: dict(attention_mask=packing)  # the fallback layers' attention mask
     return fused_layer.run_layers(encoder, rows, ids, packing.attend, (1, rows.shape[0]), stock_kwargs, backend)
 
@@ -179,13 +180,26 @@ def encode(
     if counts is None:
         counts = count_items(position_ids, tower.config.pooling_kernel_size, tower.config.position_embedding_size)
     real, lengths, pixels, ids = pack_items(pixel_values, position_ids, counts.real)
-    no_padding = torch.zeros(ids.shape[:2], dtype=torch.bool, device=ids.device)
-    inputs_embeds = tower.patch_embedder(pixels, ids, no_padding)
+    rows = encoded_rows(tower, pixels[0], ids[0], Packing.of(lengths, ids.device))
+    return pooled_items(tower, rows, real, position_ids, counts, pooler_float32)
+
+
+def encoded_rows(tower: nn.Module, pixels: torch.Tensor, ids: torch.Tensor, packing: Packing) -> torch.Tensor:
+    """The tower's embedder and layers on (T, K) packed pixels with (T, 2) ids, items as ``packing`` has
+    them: the (T, D) rows, in the working dtype."""
+    no_padding = torch.zeros(1, ids.shape[0], dtype=torch.bool, device=ids.device)
+    inputs_embeds = tower.patch_embedder(pixels[None], ids[None], no_padding)
     state = patching.fused_state(tower)
     backend = state.backend if state is not None and state.op == "fused_encoder" else None
-    segments = torch.split(run_packed(tower.encoder, inputs_embeds[0], ids[0], lengths, backend), lengths)
+    return run_packed(tower.encoder, inputs_embeds[0], ids, packing, backend)
 
-    groups: dict[int, list[int]] = {}  # items of one N share a pooler call, as in stock's batch
+
+def pooled_items(tower, rows, real, position_ids, counts: ItemCounts, pooler_float32) -> list[torch.Tensor]:
+    """Each item's soft tokens from the (T, D) encoded ``rows`` of its ``real`` (N_i,) rows, in item order:
+    items of one N share a pooler call, on their rows scattered back to their padded places, as in stock's
+    batch; split by ``counts.pooled``, no sync."""
+    segments = torch.split(rows, list(counts.real))
+    groups: dict[int, list[int]] = {}
     for index, item_ids in enumerate(position_ids):
         groups.setdefault(item_ids.shape[0], []).append(index)
     kernel = tower.config.pooling_kernel_size
@@ -197,9 +211,7 @@ def encode(
         group_ids = torch.stack([position_ids[m] for m in members])
         pooled = [counts.pooled[m] for m in members]
         output_length = patches // (kernel * kernel)
-        tokens, pooled = soft_tokens(
-            tower, padded, group_ids, ~mask, output_length, inputs_embeds.dtype, pooler_float32, pooled
-        )
+        tokens, pooled = soft_tokens(tower, padded, group_ids, ~mask, output_length, rows.dtype, pooler_float32, pooled)
         for member, item_tokens in zip(members, torch.split(tokens, pooled)):
             outputs[member] = item_tokens
     return outputs

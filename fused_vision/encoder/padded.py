@@ -14,7 +14,7 @@ from torch import nn
 
 from ..integrations import patching
 from . import fused_layer, packed
-from .attention import attention_supported
+from .attention import Packing, attention_supported
 
 __all__ = ["encoder_forward", "packs"]
 
@@ -83,7 +83,8 @@ def encoder_forward(self, inputs_embeds, attention_mask, pixel_position_ids=None
         lengths = attention_mask.sum(dim=1).tolist()
         backend = state.backend if state.op == "fused_encoder" else None
         rows, ids = inputs_embeds[attention_mask], pixel_position_ids[attention_mask]
-        hidden_states = packed.scatter_rows(packed.run_packed(self, rows, ids, lengths, backend), attention_mask)
+        packing = Packing.of(lengths, rows.device)
+        hidden_states = packed.scatter_rows(packed.run_packed(self, rows, ids, packing, backend), attention_mask)
     elif state.op == "fused_encoder":
         hidden_states = _padded_fused(self, inputs_embeds, attention_mask, pixel_position_ids, state.backend)
         hidden_states = hidden_states.view_as(inputs_embeds)

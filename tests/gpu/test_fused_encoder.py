@@ -9,7 +9,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 
-from fused_vision import apply_fused_vision_to_gemma4, encode_images, packed
+from fused_vision import GraphedEncoder, apply_fused_vision_to_gemma4, encode_images, packed
 from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
 
 from .conftest import SMOKE, image_ids, sync_debug_mode
@@ -167,3 +167,35 @@ def test_a_packed_call_syncs_once_to_count_its_items_and_nowhere_given_the_count
     assert not syncs, syncs
     for item, (tokens, reference) in enumerate(zip(got, expected, strict=True)):
         assert_bit_identical(tokens, reference, f"item {item}")
+
+
+@pytest.mark.parametrize("encoder", ["packed", "fused"])
+def test_the_graphed_encoder_replays_other_items_as_its_layout_runs_eagerly(encoder):
+    """One bucket's graph, captured on its first call, replayed on items of other lengths: bit-identical to
+    the same layout run eagerly, and within bf16's rounding of the packed encoder. Without CUDA (smoke
+    mode) the calls run that layout eagerly, and the rest is tested."""
+    tower = real_shape_tower(torch.bfloat16)
+    apply_fused_vision_to_gemma4(tower, encoder=encoder)
+    patch_size, items, soft_tokens = BATCH
+    batches = []
+    for seed in (1, 2):  # new grids, so other lengths, on each seed
+        ids = list(image_ids(items, soft_tokens, generator=torch.Generator().manual_seed(seed)))
+        batches.append(([torch.rand(i.shape[0], 3 * patch_size**2, device=DEVICE) for i in ids], ids))
+    rows = items * soft_tokens * 9  # every patch: the one bucket holds either batch
+    graphed = GraphedEncoder(tower, token_buckets=(rows,), max_items=items + 1)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # smoke mode's "no CUDA graphs" warning
+        graphed(*batches[0])  # captures
+        pixels, ids = batches[1]
+        got = graphed(pixels, ids)
+        counts = packed.count_items(ids, 3, 10240)
+        bucket = graphed._captured[rows]
+        total = sum(counts.real)
+        eager = graphed._run(bucket, (*counts.real, rows - total))[:total]
+        real = [~(i == -1).all(-1) for i in ids]
+        expected = packed.pooled_items(tower, eager, real, ids, counts, True)
+        packed_call = packed.encode(tower, pixels, ids, True, counts)
+    assert list(graphed._captured) == [rows]
+    for item, (tokens, same_layout, unbucketed) in enumerate(zip(got, expected, packed_call, strict=True)):
+        assert_bit_identical(tokens, same_layout, f"item {item}")
+        assert relative_error(tokens, unbucketed) < 2e-2, f"item {item}"
