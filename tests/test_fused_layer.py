@@ -180,6 +180,37 @@ def test_grouped_kv_heads_match_stock():
         assert_items_match(packed.encode(fused(tower), pixels, ids, True), stock, stock, torch.float32)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_mlp_in_blocks_of_rows_computes_what_it_computes_whole(kind, monkeypatch):
+    """Where no graph is kept the MLP runs on blocks of rows (its transients a block's): blocks of 128 rows
+    here over 20 items of 64 and 16 patches (512 real), then blocks of 200, uneven, over the same items."""
+    from fused_vision.encoder import fused_layer
+
+    tower = fused(tower_of(kind))
+    pixels, ids = mixed_items()
+    pixels, ids = pixels * 4, ids * 4
+    blocks = []
+    real_mlp = fused_layer._mlp
+
+    def counted(layer, y, backend):
+        block = fused_layer.mlp_block_rows(layer.mlp.gate_proj.linear.out_features, y.element_size())
+        blocks.append(-(-y.shape[0] // block) if y.shape[0] > block else 1)
+        return real_mlp(layer, y, backend)
+
+    monkeypatch.setattr(fused_layer, "_mlp", counted)
+    with torch.no_grad():
+        whole = packed.encode(tower, pixels, ids, True)  # the default block: the whole call
+        monkeypatch.setattr(fused_layer, "MLP_BLOCK_BYTES", 1)
+        monkeypatch.setattr(fused_layer, "MLP_MIN_BLOCK_ROWS", 128)
+        got = packed.encode(tower, pixels, ids, True)
+        monkeypatch.setattr(fused_layer, "MLP_MIN_BLOCK_ROWS", 200)  # 200 // 128 * 128 is not it: at least 200
+        uneven = packed.encode(tower, pixels, ids, True)
+    assert blocks == [1, 1, 4, 4, 3, 3], "two layers each: whole, 4 blocks of 128, then 200, 200, 112"
+    for index, (g, u, w) in enumerate(zip(got, uneven, whole, strict=True)):
+        assert_close(g, w, **FP32_CLOSE, what=f"item {index}")
+        assert_close(u, w, **FP32_CLOSE, what=f"item {index}, uneven blocks")
+
+
 def test_a_lora_adapted_layer_fuses_around_its_linear_and_trains():
     stock_tower = adapted(tower_of("31b_like"))
     tower = copy.deepcopy(stock_tower)

@@ -281,7 +281,7 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
 
 def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backend):
     """One fused layer on (T, D) hidden states ``h`` and their input norm ``y``: the new (h, next norm of h)."""
-    attn, mlp, eps = layer.self_attn, layer.mlp, _releases.norm_epsilon(layer.input_layernorm)
+    attn, eps = layer.self_attn, _releases.norm_epsilon(layer.input_layernorm)
     heads, kv_heads = attn.config.num_attention_heads, attn.config.num_key_value_heads
     qkv_clamps = _clamp_table([attn.q_proj, attn.k_proj, attn.v_proj], ["output"] * 3)
     q, k, v = qkv_norm_rope(
@@ -308,13 +308,39 @@ def _fused_layer(layer, h, y, position_ids, inv_freq, attend, next_weight, backe
         eps=eps,
         backend=backend,
     )
+    post_weight = layer.post_feedforward_layernorm.weight
+    return residual_rms_norm(_mlp(layer, y, backend), h, post_weight, next_weight, eps=eps, backend=backend)
+
+
+def _mlp(layer, y: torch.Tensor, backend) -> torch.Tensor:
+    """The MLP on (T, D) ``y``. Where no graph is kept, on blocks of rows whose (rows, 2I) gate/up
+    activations hold at most ``MLP_BLOCK_BYTES``: the (T, 2I) and (T, I) transients, the layer's
+    largest, shrink to a block's, and each block's output goes straight into the (T, D) result."""
+    mlp = layer.mlp
     down = mlp.down_proj
     gelu_clamps = _clamp_table([mlp.gate_proj, mlp.up_proj, down], ["output", "output", "input"])
-    mlp_output = linears.project(down.linear, gelu_gate(_project(y, layer, "gate_up"), gelu_clamps, backend=backend))
-    if down.use_clipped_linears:
-        mlp_output = torch.clamp(mlp_output, down.output_min, down.output_max)
-    post_weight = layer.post_feedforward_layernorm.weight
-    return residual_rms_norm(mlp_output, h, post_weight, next_weight, eps=eps, backend=backend)
+
+    def rows_out(rows: torch.Tensor) -> torch.Tensor:
+        output = linears.project(down.linear, gelu_gate(_project(rows, layer, "gate_up"), gelu_clamps, backend=backend))
+        return torch.clamp(output, down.output_min, down.output_max) if down.use_clipped_linears else output
+
+    block = mlp_block_rows(mlp.gate_proj.linear.out_features, y.element_size())
+    if y.shape[0] <= block or torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return rows_out(y)
+    output = y.new_empty(y.shape[0], down.linear.out_features)
+    for start in range(0, y.shape[0], block):
+        output[start : start + block] = rows_out(y[start : start + block])
+    return output
+
+
+MLP_BLOCK_BYTES = 64 * 2**20  # a block's (rows, 2I) gate/up activations: 3,840 of the 26B/31B's bf16 rows
+MLP_MIN_BLOCK_ROWS = 1024  # so that each block's GEMMs still fill the device
+
+
+def mlp_block_rows(intermediate: int, element_size: int) -> int:
+    """Rows per MLP block: ``MLP_BLOCK_BYTES`` of (rows, 2I) activations, a multiple of 128 (the GEMMs'
+    tile rows), at least ``MLP_MIN_BLOCK_ROWS``."""
+    return max(MLP_MIN_BLOCK_ROWS, MLP_BLOCK_BYTES // (2 * intermediate * element_size) // 128 * 128)
 
 
 def _checkpointing(layer: nn.Module) -> bool:
