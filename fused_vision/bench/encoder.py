@@ -26,7 +26,8 @@ from .tower import VISION_TOWERS, build_tower, tower_shape
 from .workloads import PATCH_FEATURES, PATCH_SIZE, POOLING_KERNEL, Case
 
 ENCODER_TOWERS = {"encoder_e2b_e4b": "tower_e2b_e4b", "encoder_26b_31b": "tower_26b_31b"}
-ENCODER_PROVIDERS = ("stock", "compiled", "padded", "packed", "fused")
+ENCODER_PROVIDERS = ("stock", "compiled", "padded", "packed", "fused", "graphed")
+GRAPH_BUCKET_ROWS = 1024  # ``graphed``: one bucket, the mix's real patches rounded up to a multiple of this
 ASPECT_RATIOS = ((4, 3), (3, 4), (16, 9), (9, 16), (1, 1), (3, 1), (1, 3))  # (width, height)
 VIDEO_ASPECT_RATIO = (16, 9)
 SIDE_UNIT_PX = 80  # a (w, h) image is w·80 x h·80 pixels (16:9: 1280x720); the processor resizes it to its budget
@@ -119,6 +120,11 @@ def provider_call(provider: str, towers: dict, pixels: torch.Tensor, ids: torch.
     """The call ``provider`` times, on ``towers[provider]`` (the stock tower where it has none of its own):
     every one without autograd, as ``encode_images`` runs."""
     model = towers.get(provider, towers["stock"])
+    if provider == "graphed":  # the fused tower's layers replayed from a CUDA graph; each call counts its items
+        real = int((ids != -1).any(dim=-1).sum())
+        rows = -(-real // GRAPH_BUCKET_ROWS) * GRAPH_BUCKET_ROWS
+        graphed = fused_vision.GraphedEncoder(towers["fused"], token_buckets=(rows,), max_items=ids.shape[0])
+        return partial(graphed, list(pixels), list(ids))
     if provider in ("padded", "packed", "fused"):
         return partial(fused_vision.encode_images, model, pixels, ids, packed=provider != "padded")
     if provider == "compiled":
@@ -168,7 +174,7 @@ def bench_encoder(session, op: str, providers: tuple[str, ...], encoder_cases: t
         towers = {"stock": build_tower(ENCODER_TOWERS[op], device, session.dtype, tiny=tiny, layers=layers)}
     except Exception as exc:
         return skip_all(inputs, exc)
-    if "fused" in providers:
+    if {"fused", "graphed"} & set(providers):
         try:
             towers["fused"] = fused_tower(towers["stock"], device)
             session.log(
@@ -177,8 +183,9 @@ def bench_encoder(session, op: str, providers: tuple[str, ...], encoder_cases: t
             )
         except Exception as exc:  # no fused tower on this transformers: the other providers still run
             for mix in inputs:
-                session.skip(op, "fused", mix, hidden, exc)
-            providers = tuple(p for p in providers if p != "fused")
+                for provider in {"fused", "graphed"} & set(providers):
+                    session.skip(op, provider, mix, hidden, exc)
+            providers = tuple(p for p in providers if p not in ("fused", "graphed"))
     for mix, (pixels, ids) in inputs.items():
         if session.out_of_time():
             skip_all((mix,), session.time_budget_reason())

@@ -24,7 +24,18 @@ ENCODER_OPS = tuple(ENCODER_TOWERS)
 OP_BENCHES = {**STEM_OPS, **LAYER_OPS}  # the ops timed one call at a time, at the stem cases
 OPS = (*OP_BENCHES, *TOWER_OPS, *ENCODER_OPS, "low_memory")
 OP_GROUPS = {"stem": tuple(STEM_OPS), "layer": tuple(LAYER_OPS), "tower": TOWER_OPS, "encoder": ENCODER_OPS}
-PROVIDERS = ("stock", "onehot", "embedding", "compiled", "reference", "fused", "fused_kernel", "padded", "packed")
+PROVIDERS = (
+    "stock",
+    "onehot",
+    "embedding",
+    "compiled",
+    "reference",
+    "fused",
+    "fused_kernel",
+    "padded",
+    "packed",
+    "graphed",
+)
 GPU_PROVIDERS = tuple(p for p in PROVIDERS if p != "reference")  # a GPU runs fused_vision's Triton kernels
 # A CPU runs fused_vision as a CPU user gets it: the ops' PyTorch path (``reference``, what backend="auto" picks
 # there) against stock's one-hot and F.embedding code, on the forward stem ops (the layer ops' PyTorch path is

@@ -22,6 +22,7 @@ PROVIDER_COLORS = {
     "stock": "tab:gray",
     "padded": "tab:orange",
     "packed": "tab:cyan",
+    "graphed": "tab:pink",
 }
 # (column, file, what the figure shows, how a ratio to the baseline reads)
 METRICS = (

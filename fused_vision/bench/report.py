@@ -132,7 +132,7 @@ def _encoder_cell(row: dict | None) -> str:
 
 
 def _encoder_ratios(present) -> list[tuple[str, str]]:
-    pairs = (("packed", "stock"), ("packed", "padded"), ("fused", "stock"), ("fused", "packed"))
+    pairs = (("packed", "stock"), ("packed", "padded"), ("fused", "stock"), ("fused", "packed"), ("graphed", "fused"))
     return [(a, b) for a, b in pairs if a in present and b in present]
 
 

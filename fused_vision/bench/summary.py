@@ -66,7 +66,7 @@ def encoder_lines(rows: list[dict], tiny: bool) -> list[str]:
             if stock is None:
                 continue
             parts = []
-            for name in ("packed", "fused"):
+            for name in ("packed", "fused", "graphed"):
                 if name in group:
                     row = group[name]
                     part = f"{name} {compare(row['ms_p50'], stock['ms_p50'], 'faster')}"

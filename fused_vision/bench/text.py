@@ -6,7 +6,7 @@ import re
 import sysconfig
 
 BASELINES = ("onehot", "stock")  # an op's stock code: the one-hot where it has one, else its eager code
-FUSED_VISION_PROVIDERS = ("reference", "fused", "fused_kernel", "padded", "packed")
+FUSED_VISION_PROVIDERS = ("reference", "fused", "fused_kernel", "padded", "packed", "graphed")
 CORRECTNESS = "correctness"  # a row's timing in Triton's interpreter: the kernels ran, at no meaningful speed
 ABOVE_CEILING = "†"
 ABOVE_CEILING_NOTE = (

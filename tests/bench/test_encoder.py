@@ -74,6 +74,17 @@ def test_a_tiny_run_interleaves_the_providers_and_reports_items_per_second(tmp_p
         assert float(difference) <= tolerance * float(scale), "the fused encoder computes stock's soft tokens"
 
 
+def test_the_graphed_encoder_is_a_provider_on_the_fused_towers_copy(tmp_path):
+    """Off CUDA its calls run the bucketed layout eagerly: the rows and the fused tower's soft tokens."""
+    out = run_cli(tmp_path, "--ops", "encoder_e2b_e4b", "--providers", "fused,graphed", "--cases", "video_4x70")
+    _, rows = read_csv(out / "results.csv")
+    rows = {row["provider"]: row for row in rows if row["op"] == "encoder_e2b_e4b"}
+    assert sorted(rows) == ["fused", "graphed"] and float(rows["graphed"]["items_per_s"]) > 0
+    log = (out / "log.txt").read_text()
+    difference, scale = re.search(r"graphed vs fused output: max \|diff\| (\S+) \(max \|value\| (\S+)\)", log).groups()
+    assert float(difference) <= 1e-4 * float(scale), "the graphed encoder computes the fused tower's soft tokens"
+
+
 def test_a_missing_processor_is_a_logged_skip(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "PIL", None)  # Pillow not installed: importing it raises ImportError
     out = run_cli(tmp_path, "--ops", "encoder_e2b_e4b", "--providers", ",".join(EAGER), "--cases", ",".join(CASES))
