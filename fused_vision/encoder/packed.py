@@ -80,13 +80,11 @@ def soft_tokens(tower, hidden_states, position_ids, padding, output_length, dtyp
 @dataclass(frozen=True)
 class ItemCounts:
     """What packing needs to know of each item, in item order: its real patches (ids other than (-1, -1)),
-    the pooler slots it fills (stock's pooler mask), whether a real id lies outside the position table,
-    and whether its patches need a slot past the pooler's output."""
+    the pooler slots it fills (stock's pooler mask), and whether a real id lies outside the position table."""
 
     real: tuple[int, ...]
     pooled: tuple[int, ...]
     outside_table: tuple[bool, ...]
-    past_slots: tuple[bool, ...]
 
     def part(self, start: int, end: int) -> ItemCounts:
         """The counts of items ``start`` to ``end``."""
@@ -107,26 +105,24 @@ def count_items(position_ids: Sequence[torch.Tensor], kernel: int, table_rows: i
         real = ~(ids == -1).all(dim=-1)
         outside = (real & ((ids < 0) | (ids >= table_rows)).any(dim=-1)).any(dim=-1)
         slots_per_item, remainder = divmod(patches, kernel * kernel)
-        past = torch.zeros_like(outside)
         if remainder or slots_per_item == 0:
             pooled = torch.full_like(outside, -1, dtype=torch.int64)
         elif kernel == 1:  # no pooling: stock's mask is then the padding's
             pooled = (~real).sum(dim=1)
         else:  # as the reference pooler: a slot past the output counts at slot 0, the item is NaN there
             slots = reference.pooling_slots(ids, kernel)
-            past = (slots >= slots_per_item).any(dim=1)
             slots = slots.masked_fill(slots >= slots_per_item, 0)
             filled = torch.zeros(len(members), slots_per_item, dtype=torch.bool, device=device)
             pooled = filled.scatter_(1, slots, True).sum(dim=1)
-        column = torch.stack([real.sum(dim=1), pooled, outside.long(), past.long()], dim=1)
+        column = torch.stack([real.sum(dim=1), pooled, outside.long()], dim=1)
         columns.setdefault(device, []).append(column)
         order.setdefault(device, []).extend(members)
     rows: list = [None] * len(position_ids)
     for device, parts in columns.items():  # the one sync (per device the items are on)
         for member, row in zip(order[device], torch.cat(parts).tolist()):
             rows[member] = row
-    real, pooled, outside, past = zip(*rows) if rows else ((),) * 4
-    return ItemCounts(real, pooled, tuple(map(bool, outside)), tuple(map(bool, past)))
+    real, pooled, outside = zip(*rows) if rows else ((),) * 3
+    return ItemCounts(real, pooled, tuple(map(bool, outside)))
 
 
 def true_rows(mask: torch.Tensor, count: int) -> torch.Tensor:
