@@ -5,6 +5,7 @@ shapes, dtypes and devices, so torch.compile traces them for free; the id range 
 runs inside the ops' implementations.
 """
 
+import operator
 import os
 
 import torch
@@ -17,6 +18,17 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 def _names(dtypes) -> str:
     return ", ".join(str(d).removeprefix("torch.") for d in dtypes)
+
+
+def positive_int(name: str, value, expected: str = "a positive int") -> int:
+    """``value`` as an int (numpy integers too, never a bool), at least 1; else a ValueError naming ``name``."""
+    try:
+        count = None if isinstance(value, bool) else operator.index(value)
+    except TypeError:
+        count = None
+    if count is None or count < 1:
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+    return count
 
 
 def check_tensor(name: str, value, ndim: int, dtypes) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import operator
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from . import planner
 from ._chunks import HalvingChunks
 from ._dispatch import warn_once
+from ._validation import positive_int
 from .encoder import packed
 from .encoder.attention import configured_attention
 from .integrations import transformers
@@ -228,15 +228,7 @@ def encode_images(
 
 def _max_batch(value) -> int | None:
     """``max_batch`` as an int (numpy integers too), or None."""
-    if value is None:
-        return None
-    try:
-        count = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        count = None
-    if count is None or count < 1:
-        raise ValueError(f"max_batch: expected a positive int or None, got {value!r}")
-    return count
+    return None if value is None else positive_int("max_batch", value, "a positive int or None")
 
 
 def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_encoder) -> list[torch.Tensor]:

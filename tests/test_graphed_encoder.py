@@ -44,7 +44,7 @@ def test_what_a_graph_cannot_hold_is_refused_by_name():
     pixels, ids = mixed_items()
     with pytest.raises(ValueError, match="token_buckets: expected positive ints, got 0"):
         GraphedEncoder(tower, token_buckets=(64, 0), max_items=4)
-    with pytest.raises(ValueError, match="max_items: expected positive ints, got True"):
+    with pytest.raises(ValueError, match="max_items: expected a positive int, got True"):
         GraphedEncoder(tower, token_buckets=(64,), max_items=True)
     with pytest.raises(ValueError, match="token_buckets: expected at least one"):
         GraphedEncoder(tower, token_buckets=(), max_items=4)

@@ -12,7 +12,6 @@ Details: docs/encoders.md, "CUDA graphs".
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,6 +19,7 @@ import torch
 from torch import nn
 
 from .._dispatch import warn_once
+from .._validation import positive_int
 from ..integrations import transformers as transformers_integration
 from . import varlen
 from .attention import Packing
@@ -64,11 +64,11 @@ class GraphedEncoder:
     """
 
     def __init__(self, tower: nn.Module, token_buckets: Sequence[int], max_items: int):
-        buckets = sorted({_positive(value, "token_buckets") for value in token_buckets})
+        buckets = sorted({positive_int("token_buckets", value, "positive ints") for value in token_buckets})
         if not buckets:
             raise ValueError("token_buckets: expected at least one positive int")
         check_attention(tower.config, "tower")
-        self.tower, self.buckets, self.max_items = tower, tuple(buckets), _positive(max_items, "max_items")
+        self.tower, self.buckets, self.max_items = tower, tuple(buckets), positive_int("max_items", max_items)
         self._captured: dict[int, _Bucket] = {}
         self._pool = None  # one memory pool for every bucket's graph: only one replays at a time
 
@@ -154,13 +154,3 @@ class GraphedEncoder:
                 f"GraphedEncoder: the attention path here is {path!r}, which reads the items' lengths on the host; "
                 f"a graph needs one of {', '.join(GRAPH_PATHS)} (see {varlen.ENV_ATTENTION})"
             )
-
-
-def _positive(value, argument: str) -> int:
-    try:
-        count = None if isinstance(value, bool) else operator.index(value)
-    except TypeError:
-        count = None
-    if count is None or count < 1:
-        raise ValueError(f"{argument}: expected positive ints, got {value!r}")
-    return count
