@@ -180,7 +180,7 @@ def test_grouped_kv_heads_match_stock():
         assert_items_match(packed.encode(fused(tower), pixels, ids, True), stock, stock, torch.float32)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", ["e2b_like"])  # the clipped linears: the blocks' clamps too
 def test_the_mlp_in_blocks_of_rows_computes_what_it_computes_whole(kind, monkeypatch):
     """Where no graph is kept the MLP runs on blocks of rows (its transients a block's): blocks of 128 rows
     here over 20 items of 64 and 16 patches (512 real), then blocks of 200, uneven, over the same items."""
