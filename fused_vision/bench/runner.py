@@ -215,14 +215,13 @@ class Session:
         """Under ``--profile``, one more call of a timed row under torch's profiler: its time by category."""
         if not self.options.profile:
             return
-        failure = self.time_budget_reason() if self.out_of_time() else None
+        if self.out_of_time():
+            self.log(f"    {op} {provider} {case.name}: not profiled: {self.time_budget_reason()}")
+            return
         try:
-            if failure is None:
-                row = dict(op=op, provider=provider, case=case.name, **profile_call(call, self.options.device))
+            row = dict(op=op, provider=provider, case=case.name, **profile_call(call, self.options.device))
         except Exception as exc:  # a profiler this torch lacks: the timed row stands, the log says why
-            failure = describe(exc)
-        if failure:
-            self.log(f"    {op} {provider} {case.name}: not profiled: {failure}")
+            self.log(f"    {op} {provider} {case.name}: not profiled: {describe(exc)}")
             return
         self.profile_rows.append(row | self.environment)
         shares = sorted(((ms, name) for name, ms in row.items() if name in CATEGORIES and ms), reverse=True)

@@ -12,6 +12,7 @@ Details: docs/encoders.md, "CUDA graphs".
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -43,9 +44,7 @@ class _Bucket:
 def bucket_offsets(lengths: Sequence[int], rows: int, max_items: int) -> list[int]:
     """The offsets of ``lengths`` items in a bucket of ``rows``: theirs, the padding item's end, then the
     same end for each empty item up to ``max_items`` items."""
-    offsets = [0]
-    for length in lengths:
-        offsets.append(offsets[-1] + length)
+    offsets = [0, *itertools.accumulate(lengths)]
     return offsets + [rows] * (max_items + 2 - len(offsets))
 
 
