@@ -187,8 +187,9 @@ class StandInQuantizedMethod:
         return F.linear(x, (self.qweight.float() * self.scale).to(x.dtype), bias)
 
 
+@pytest.mark.parametrize("mlp_blocks", [False, True], ids=["whole", "mlp_blocks"])
 def test_a_quantized_linear_keeps_its_gemm_and_the_layer_fuses_around_it(
-    tiny_model, memory, ran, monkeypatch, tmp_path
+    tiny_model, memory, ran, monkeypatch, tmp_path, mlp_blocks
 ):
     inputs, _ = mm_inputs(tiny_model, "_process_video_input", seed=23)
     twin = float64_twin(tiny_model, tmp_path) if tiny_model.model_dtype != torch.float32 else None
@@ -205,10 +206,18 @@ def test_a_quantized_linear_keeps_its_gemm_and_the_layer_fuses_around_it(
     exact = None if twin is None else embeddings(twin, "_process_video_input", inputs)
     apply_fused_vision_to_gemma4()
     apply_fused_vision_to_vllm_gemma4(encoder="fused")
+    if mlp_blocks:  # the MLP on blocks of 7 rows: vLLM's linears name their sizes otherwise than torch's
+        monkeypatch.setattr(fl, "MLP_BLOCK_BYTES", 1)
+        monkeypatch.setattr(fl, "MLP_MIN_BLOCK_ROWS", 7)
     with fallbacks_fail():
         got = embeddings(tiny_model, "_process_video_input", inputs)
     assert ran["fused"] == 1 and len(ran["packed"]) == 1, "the layer fused, packed"
-    assert [m.calls for m in methods] == [2, 2, 2], "each quantized GEMM ran, stock and fused"
+    k_calls, *mlp_calls = (m.calls for m in methods)
+    assert k_calls == 2, "the quantized k GEMM ran, stock and fused"
+    if mlp_blocks:
+        assert min(mlp_calls) > 2 and mlp_calls[0] == mlp_calls[1], "the MLP's GEMMs ran once per block"
+    else:
+        assert mlp_calls == [2, 2], "each quantized MLP GEMM ran, stock and fused"
     assert_embeddings_match(got, stock, exact)
 
 

@@ -324,10 +324,11 @@ def _mlp(layer, y: torch.Tensor, backend) -> torch.Tensor:
         output = linears.project(down.linear, gelu_gate(_project(rows, layer, "gate_up"), gelu_clamps, backend=backend))
         return torch.clamp(output, down.output_min, down.output_max) if down.use_clipped_linears else output
 
-    block = mlp_block_rows(mlp.gate_proj.linear.out_features, y.element_size())
+    # from the config: vLLM's and quantized linears name their sizes otherwise, or not at all
+    block = mlp_block_rows(layer.self_attn.config.intermediate_size, y.element_size())
     if y.shape[0] <= block or torch.is_grad_enabled() or torch.compiler.is_compiling():
         return rows_out(y)
-    output = y.new_empty(y.shape[0], down.linear.out_features)
+    output = torch.empty_like(y)  # down maps back to the hidden size
     for start in range(0, y.shape[0], block):
         output[start : start + block] = rows_out(y[start : start + block])
     return output
