@@ -4,11 +4,16 @@ import sys
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import _checkout  # noqa: F401  (from a source tree, makes fused_vision.kernels the checkout's kernels/)
+from . import (
+    _checkout,  # noqa: F401  (from a source tree, makes fused_vision.kernels the checkout's kernels/)
+    encoder,
+    integrations,
+)
+from . import patching as patching  # the method swapping the integrations share, public as before
 from .encoder import attention, fused_layer, linears, packed
-from .encoder.graphs import GraphedEncoder
 from .encoding import encode_images
-from .integrations import patching, sglang, vllm
+from .graphs import GraphedEncoder
+from .integrations import sglang, vllm
 from .integrations import transformers as gemma4
 from .integrations.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 from .integrations.transformers import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
@@ -28,7 +33,6 @@ _MOVED = {
     "gemma4": gemma4,
     "linears": linears,
     "packed": packed,
-    "patching": patching,
     "sglang": sglang,
     "sglang_packed": sglang,
     "vllm": vllm,
@@ -37,6 +41,8 @@ for _name, _module in _MOVED.items():
     sys.modules[f"{__name__}.{_name}"] = _module
     setattr(sys.modules[__name__], _name, _module)
 del _name, _module
+# ``fused_vision.encoder`` was one module, whose forward the integration now holds.
+encoder.encoder_forward = integrations.encoder.encoder_forward
 
 try:
     __version__ = _version("fused-vision")

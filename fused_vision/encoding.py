@@ -25,6 +25,7 @@ from ._validation import positive_int
 from .encoder import packed
 from .encoder.attention import configured_attention
 from .integrations import transformers
+from .integrations.encoder import fused_backend
 from .integrations.stem import embedder_runs_stock
 
 __all__ = ["encode_images"]
@@ -331,12 +332,12 @@ def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch
             end += 1
         return end
 
-    pooler_float32 = transformers.pooler_returns_float32()
+    pooler_float32, backend = transformers.pooler_returns_float32(), fused_backend(tower)
 
     def encode(start: int, end: int) -> list[torch.Tensor]:
         pixels = [p.to(device) for p in items.pixels[start:end]]
         ids = [i.to(device) for i in items.ids[start:end]]
-        return packed.encode(tower, pixels, ids, pooler_float32, counts.part(start, end))
+        return packed.encode(tower, pixels, ids, pooler_float32, counts.part(start, end), backend)
 
     chunks = HalvingChunks(max_batch, device)
     outputs = chunks.run_consecutive(len(real), fill, encode)

@@ -171,13 +171,33 @@ def test_unlike_input_clamps_project_one_by_one(monkeypatch):
     assert_items_match(got, stock, stock, torch.float32)
 
 
+def test_the_packed_encoder_takes_its_backend_with_the_call(monkeypatch):
+    """``packed.encode`` runs the fused layers where it is handed a backend, on a tower never patched, and
+    the tower's own layers without one, on a tower patched to fuse: nothing is read from the patch."""
+    from fused_vision.encoder import fused_layer
+
+    tower = tower_of("31b_like")
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    layers, real_layer = [], fused_layer._fused_layer
+    monkeypatch.setattr(fused_layer, "_fused_layer", lambda *a, **k: layers.append(k["backend"]) or real_layer(*a, **k))
+    with torch.no_grad():
+        got = packed.encode(tower, pixels, ids, True, backend="reference")
+        assert layers == ["reference"] * tower.config.num_hidden_layers, "every layer fused, on the given backend"
+        layers.clear()
+        unfused = packed.encode(fused(tower), pixels, ids, True, backend=None)
+    assert layers == [], "no layer fused"
+    assert_items_match(got, stock, stock, torch.float32)
+    assert_items_match(unfused, stock, stock, torch.float32)
+
+
 def test_grouped_kv_heads_match_stock():
     """No Gemma 4 tower groups its heads (encode_images' planner refuses them); the layer computes them right."""
     tower = tower_of("31b_like", num_attention_heads=4, num_key_value_heads=2)
     pixels, ids = mixed_items()
     stock = alone(tower, pixels, ids)
     with torch.no_grad():
-        assert_items_match(packed.encode(fused(tower), pixels, ids, True), stock, stock, torch.float32)
+        assert_items_match(packed.encode(fused(tower), pixels, ids, True, backend="auto"), stock, stock, torch.float32)
 
 
 @pytest.mark.parametrize("kind", ["e2b_like"])  # the clipped linears: the blocks' clamps too
@@ -199,12 +219,12 @@ def test_the_mlp_in_blocks_of_rows_computes_what_it_computes_whole(kind, monkeyp
 
     monkeypatch.setattr(fused_layer, "_mlp", counted)
     with torch.no_grad():
-        whole = packed.encode(tower, pixels, ids, True)  # the default block: the whole call
+        whole = packed.encode(tower, pixels, ids, True, backend="auto")  # the default block: the whole call
         monkeypatch.setattr(fused_layer, "MLP_BLOCK_BYTES", 1)
         monkeypatch.setattr(fused_layer, "MLP_MIN_BLOCK_ROWS", 128)
-        got = packed.encode(tower, pixels, ids, True)
+        got = packed.encode(tower, pixels, ids, True, backend="auto")
         monkeypatch.setattr(fused_layer, "MLP_MIN_BLOCK_ROWS", 200)  # 200 // 128 * 128 is not it: at least 200
-        uneven = packed.encode(tower, pixels, ids, True)
+        uneven = packed.encode(tower, pixels, ids, True, backend="auto")
     assert blocks == [1, 1, 4, 4, 3, 3], "two layers each: whole, 4 blocks of 128, then 200, 200, 112"
     for index, (g, u, w) in enumerate(zip(got, uneven, whole, strict=True)):
         assert_close(g, w, **FP32_CLOSE, what=f"item {index}")
@@ -248,9 +268,9 @@ def test_layers_that_cannot_run_fused_run_stock_code_with_one_warning(condition)
     calls.clear()
     fused(tower)
     with context, pytest.warns(RuntimeWarning, match=expected):
-        got = packed.encode(tower, pixels, ids, True)
+        got = packed.encode(tower, pixels, ids, True, backend="auto")
     with context, fallbacks_fail():  # once
-        packed.encode(tower, pixels, ids, True)
+        packed.encode(tower, pixels, ids, True, backend="auto")
     for index, (g, s) in enumerate(zip(got, stock, strict=True)):
         assert_close(g.detach(), s.detach(), **FP32_CLOSE, what=f"item {index}")
     assert calls == [1] * 2 if condition == "forward hook" else not calls

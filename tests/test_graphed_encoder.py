@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from fused_vision import GraphedEncoder, _dispatch, apply_fused_vision_to_gemma4
-from fused_vision.encoder.graphs import bucket_offsets
+from fused_vision.graphs import bucket_offsets
 
 from gemma4_towers import alone, assert_items_match, mixed_items, tower_of
 

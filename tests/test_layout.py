@@ -22,7 +22,7 @@ MOVED = {
     "fused_vision.gemma4": "fused_vision.integrations.transformers",
     "fused_vision.linears": "fused_vision.encoder.linears",
     "fused_vision.packed": "fused_vision.encoder.packed",
-    "fused_vision.patching": "fused_vision.integrations.patching",
+    "fused_vision.integrations.patching": "fused_vision.patching",
     "fused_vision.sglang": "fused_vision.integrations.sglang",
     "fused_vision.sglang_packed": "fused_vision.integrations.sglang",
     "fused_vision.vllm": "fused_vision.integrations.vllm",
@@ -38,8 +38,8 @@ def test_an_old_module_path_is_the_moved_module(old, new):
 
 def test_the_old_encoder_module_path_names_its_forward():
     from fused_vision.encoder import encoder_forward, packs
-    from fused_vision.encoder.padded import encoder_forward as moved_forward
     from fused_vision.encoder.padded import packs as moved_packs
+    from fused_vision.integrations.encoder import encoder_forward as moved_forward
 
     assert (encoder_forward, packs) == (moved_forward, moved_packs)
 
@@ -110,3 +110,12 @@ def import_cycle() -> list[str] | None:
 def test_no_module_imports_itself_back():
     cycle = import_cycle()
     assert cycle is None, " -> ".join(cycle)
+
+
+def test_the_encoder_imports_no_integration():
+    """``encoder/`` computes; the integrations patch its calls in and hand it its backend, never the reverse."""
+    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    for name, path in paths.items():
+        if name.startswith("fused_vision.encoder"):
+            reached = {module for module in imports(path, set(paths)) if module.startswith("fused_vision.integrations")}
+            assert not reached, f"{name} imports {sorted(reached)}"

@@ -100,18 +100,19 @@ def test_a_packed_call_given_its_counts_sizes_nothing_by_the_data(encoder, monke
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
     config = tower.config
     pooler_float32 = transformers_integration.pooler_returns_float32()
+    backend = "auto" if encoder == "fused" else None
     reads = []
     for name in ("tolist", "item", "__bool__"):
         monkeypatch.setattr(torch.Tensor, name, _recorded(getattr(torch.Tensor, name), name, reads))
     with torch.no_grad():
-        fp.encode(tower, pixels, ids, pooler_float32)  # the first call reads the clamps
+        fp.encode(tower, pixels, ids, pooler_float32, backend=backend)  # the first call reads the clamps
         reads.clear()
         counts = fp.count_items(ids, config.pooling_kernel_size, config.position_embedding_size)
         assert reads == ["tolist"], "one read of the device for all items"
         reads.clear()
         monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
         with _DataSizedOps() as recorded:
-            got = fp.encode(tower, pixels, ids, pooler_float32, counts)
+            got = fp.encode(tower, pixels, ids, pooler_float32, counts, backend)
     assert recorded.seen == [] and reads == []
     assert_items_match(got, stock, stock, torch.float32)
 
@@ -249,7 +250,7 @@ def test_a_packed_call_that_runs_out_of_memory_is_halved(monkeypatch):
     expected = encode_images(tower, pixels, ids)
     sizes, encode = [], fp.encode
 
-    def limited(tower, pixels, ids, pooler_float32, counts):
+    def limited(tower, pixels, ids, pooler_float32, counts, backend):
         sizes.append(len(pixels))
         if len(pixels) > 2:
             raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
@@ -268,7 +269,7 @@ def test_a_packed_call_of_one_item_that_runs_out_of_memory_reraises(monkeypatch)
     pixels, ids = mixed_items()
     sizes = []
 
-    def always(tower, pixels, ids, pooler_float32, counts):
+    def always(tower, pixels, ids, pooler_float32, counts, backend):
         sizes.append(len(pixels))
         raise torch.OutOfMemoryError(f"injected: {len(pixels)} items")
 

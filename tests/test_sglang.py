@@ -266,7 +266,8 @@ import json
 from sglang.srt.plugins import load_plugins
 load_plugins()
 import fused_vision.sglang as fs
-from fused_vision.integrations import patching, stem
+from fused_vision import patching
+from fused_vision.integrations import stem
 from sglang.srt.models import embedding_gemma2, gemma4_vision
 classes = [gemma4_vision.Gemma4VisionPatchEmbedder, gemma4_vision.Gemma4VisionPooler,
            embedding_gemma2.EmbeddingGemma2VisionPooler]

@@ -1,11 +1,10 @@
-"""The packed and fused Gemma 4 vision encoders (docs/encoders.md).
+"""The packed and fused Gemma 4 vision encoders (docs/encoders.md): each call is handed its backend.
 
 ``attention`` (attention within each packed item), ``packed`` (the packed encoder), ``fused_layer`` and
-``linears`` (its fused layers), ``graphs`` (its embedder and layers in CUDA graphs, per token bucket),
-``padded`` (``Gemma4VisionEncoder.forward`` on the padded batch engines hand it). ``encoder_forward`` and
-``packs`` are named here too: ``fused_vision.encoder`` was that module.
+``linears`` (its fused layers), ``padded`` (the layers on the padded batch engines hand the encoder).
+The forwards patched into transformers' classes are ``fused_vision.integrations.encoder``'s.
 """
 
-from .padded import encoder_forward, packs
+from .padded import packs
 
-__all__ = ["encoder_forward", "packs"]
+__all__ = ["packs"]

@@ -15,8 +15,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .. import _releases
-from ..integrations import patching
+from .. import _releases, patching
 from .varlen import attention_path, varlen_attention
 
 __all__ = [

@@ -11,10 +11,7 @@ Details: docs/encoders.md.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import inspect
 import itertools
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -22,7 +19,6 @@ import torch
 from torch import nn
 
 from .. import reference
-from ..integrations import patching
 from . import attention, fused_layer
 from .attention import SUPPORTED_ATTENTION, Packing, attention_supported
 
@@ -33,9 +29,7 @@ __all__ = [
     "count_items",
     "encode",
     "encoded_rows",
-    "encoder_target",
     "pack_items",
-    "packed_model_forward",
     "padded_batch",
     "pooled_items",
     "run_packed",
@@ -43,9 +37,6 @@ __all__ = [
     "soft_tokens",
     "true_rows",
 ]
-
-# Keywords of Gemma4VisionModel.forward under which the packed forward still returns stock's outputs
-_TOWER_PASSIVE_KWARGS = ("return_dict", "output_hidden_states", "output_attentions")
 
 
 def check_attention(config, argument: str = "encoder") -> None:
@@ -168,25 +159,25 @@ def encode(
     position_ids: Sequence[torch.Tensor],
     pooler_float32: bool,
     counts: ItemCounts | None = None,
+    backend: str | None = None,
 ) -> list[torch.Tensor]:
     """Soft tokens of each item, (N_i, K) pixels and (N_i, 2) ids on the tower's device, in one packed
     forward: a list of (T_i, D) tensors as the release's ``Gemma4VisionModel.forward`` returns them.
+    ``backend``: the fused layers' (``fused_vision.encoder.fused_layer``); None runs the tower's own.
     ``counts``: the items' ``count_items``, where the caller has them; without them the call counts
     them itself, its one device-to-host sync. Given them, it syncs nowhere."""
     if counts is None:
         counts = count_items(position_ids, tower.config.pooling_kernel_size, tower.config.position_embedding_size)
     real, lengths, pixels, ids = pack_items(pixel_values, position_ids, counts.real)
-    rows = encoded_rows(tower, pixels[0], ids[0], Packing.of(lengths, ids.device))
+    rows = encoded_rows(tower, pixels[0], ids[0], Packing.of(lengths, ids.device), backend)
     return pooled_items(tower, rows, real, position_ids, counts, pooler_float32)
 
 
-def encoded_rows(tower: nn.Module, pixels: torch.Tensor, ids: torch.Tensor, packing: Packing) -> torch.Tensor:
+def encoded_rows(tower: nn.Module, pixels, ids, packing: Packing, backend: str | None) -> torch.Tensor:
     """The tower's embedder and layers on (T, K) packed pixels with (T, 2) ids, items as ``packing`` has
-    them: the (T, D) rows, in the working dtype."""
+    them, the layers fused with a ``backend``: the (T, D) rows, in the working dtype."""
     no_padding = torch.zeros(1, ids.shape[0], dtype=torch.bool, device=ids.device)
     inputs_embeds = tower.patch_embedder(pixels[None], ids[None], no_padding)
-    state = patching.fused_state(tower)
-    backend = state.backend if state is not None and state.op == "fused_encoder" else None
     return run_packed(tower.encoder, inputs_embeds[0], ids, packing, backend)
 
 
@@ -213,34 +204,6 @@ def pooled_items(tower, rows, real, position_ids, counts: ItemCounts, pooler_flo
     return outputs
 
 
-@functools.cache
-def stock_output_class(cls: type) -> type:
-    """The ``ModelOutput`` class the stock ``cls.forward`` returns (5.5-5.9 and 5.10+ differ), told from its code."""
-    from transformers.utils import ModelOutput
-
-    stock = inspect.unwrap(patching.stock_attribute(cls, "forward"))
-    module = sys.modules[cls.__module__]
-    found = {getattr(module, name, None) for name in stock.__code__.co_names}
-    outputs = [value for value in found if isinstance(value, type) and issubclass(value, ModelOutput)]
-    if len(outputs) != 1:
-        raise RuntimeError(f"encoder: cannot tell the output class of this {cls.__name__}.forward ({outputs})")
-    return outputs[0]
-
-
-def _packs(tower, pixel_values, pixel_position_ids, kwargs) -> bool:
-    """Whether the packed forward returns exactly what stock would: padded (B, N, ·) tensors, no recorded
-    hidden states or attentions, a ``ModelOutput`` back; else stock runs (and raises as it does)."""
-    config = tower.config
-    if any(name not in _TOWER_PASSIVE_KWARGS for name in kwargs) or kwargs.get("return_dict", True) is False:
-        return False
-    recorded = ("output_hidden_states", "output_attentions")
-    if any(kwargs.get(name) or getattr(config, name, False) for name in recorded):
-        return False
-    if getattr(config, "return_dict", True) is False:
-        return False
-    return padded_batch(pixel_values, pixel_position_ids)
-
-
 def padded_batch(pixel_values, pixel_position_ids) -> bool:
     """Whether the inputs are a padded batch as a tower's forward takes it: (B, N, K) pixels and (B, N, 2)
     integer ids."""
@@ -249,34 +212,3 @@ def padded_batch(pixel_values, pixel_position_ids) -> bool:
     if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3 or pixel_position_ids.shape[-1] != 2:
         return False
     return pixel_values.shape[:2] == pixel_position_ids.shape[:2] and not pixel_position_ids.is_floating_point()
-
-
-def encoder_target(tower_cls: type, model, state) -> patching.Target:
-    """What ``encoder="packed"`` or ``"fused"`` patches: ``tower_cls.forward`` (``Gemma4VisionModel``'s),
-    once every tower in ``model`` is known to be configured with an attention the packed encoder replaces;
-    a fused tower's layers get their concatenated weights here."""
-    stock_output_class(tower_cls)  # raises where the stock forward is not one this module knows
-    towers = [m for m in model.modules() if isinstance(m, tower_cls)] if isinstance(model, nn.Module) else []
-    for tower in towers:
-        check_attention(tower.config)
-    for tower in towers if state.op == "fused_encoder" else ():
-        fused_layer.prepare(tower)
-    return patching.Target(tower_cls, {"forward": packed_model_forward}, state)
-
-
-def packed_model_forward(self, pixel_values, pixel_position_ids, **kwargs):
-    """``Gemma4VisionModel.forward`` through the packed encoder: the padding stripped, the same outputs."""
-    state = patching.fused_state(self)
-    # Under torch.compile stock's padded forward runs (its encoder's layers fused where so patched): packing
-    # reads the items' lengths on the host.
-    packs = not torch.compiler.is_compiling() and _packs(self, pixel_values, pixel_position_ids, kwargs)
-    if state is None or not packs:
-        return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
-    check_attention(self.config)
-    position_ids = list(pixel_position_ids)
-    counts = count_items(position_ids, self.config.pooling_kernel_size, self.config.position_embedding_size)
-    if not any(counts.real):  # nothing real: stock's own forward
-        return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
-    output_class = stock_output_class(next(cls for cls in type(self).__mro__ if "forward" in cls.__dict__))
-    tokens = encode(self, list(pixel_values), position_ids, state.pooler_float32, counts)
-    return output_class(last_hidden_state=torch.cat(tokens))

@@ -1,5 +1,11 @@
 """fused_vision inside the engines that build Gemma 4's vision tower (docs/integrations.md).
 
-``patching`` (swapping methods of classes or modules, and undoing it), ``transformers``, ``vllm`` and
-``sglang``. Nothing is imported here, so that the encoder can use ``patching`` on its own.
+``stem`` (the embedder's and pooler's forwards the towers share), ``transformers``, ``vllm`` and
+``sglang``; the patching they do is ``fused_vision.patching``'s, named here too under its old path.
 """
+
+import sys
+
+from .. import patching
+
+sys.modules[f"{__name__}.patching"] = patching

@@ -19,10 +19,11 @@ import os
 import torch
 from torch import nn
 
+from .. import patching
 from ..encoder import packed
 from ..encoder.attention import Packing
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
-from . import patching, stem
+from . import stem
 
 __all__ = [
     "VARLEN_BACKENDS",

@@ -14,11 +14,11 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from .. import patching
 from .._dispatch import BACKENDS
 from .._validation import FLOAT_DTYPES, INDEX_DTYPES
 from ..ops.patch_embed import patch_embed as _fused_patch_embed
 from ..ops.position_embeddings import position_embeddings as _fused_position_embeddings
-from . import patching
 
 __all__ = [
     "EMBEDDER_OPS",

@@ -12,11 +12,10 @@ import functools
 import torch
 from torch import nn
 
-from .. import _releases
-from ..encoder import fused_layer, packed
-from ..encoder.padded import encoder_forward
+from .. import _releases, patching
+from ..encoder import fused_layer
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
-from . import patching
+from .encoder import encoder_forward, encoder_target
 from .stem import FusedOp, broadcast_rows, lookup_is_onehot, pooler_runs_fused, tower_targets
 
 __all__ = ["ENCODERS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4"]
@@ -134,12 +133,12 @@ def apply_fused_vision_to_gemma4(
     release = dict(onehot_lookup=onehot_lookup(), pooler_float32=pooler_returns_float32())
     if encoder not in ENCODERS:
         raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
-    encoder_target = None
+    tower_target = None
     if encoder != "stock":
         state = FusedOp(f"{encoder}_encoder", backend, **release)
-        encoder_target = packed.encoder_target(modeling.Gemma4VisionModel, model, state)
+        tower_target = encoder_target(modeling.Gemma4VisionModel, model, state)
     embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
-    targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=encoder_target)
+    targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=tower_target)
     if encoder != "stock":  # the encoder's own forward too: for its direct callers (vLLM) and torch.compile
         methods = {"forward": encoder_forward}
         targets.append(patching.Target(modeling.Gemma4VisionEncoder, methods, state))

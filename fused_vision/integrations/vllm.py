@@ -22,10 +22,9 @@ import sys
 import torch
 from torch import nn
 
-from .. import encoding, planner
+from .. import encoding, patching, planner
 from .._chunks import HalvingChunks
 from .._dispatch import warn_once
-from . import patching
 from .transformers import ENCODERS, apply_fused_vision_to_gemma4
 
 __all__ = [

@@ -154,13 +154,13 @@ def test_a_packed_call_syncs_once_to_count_its_items_and_nowhere_given_the_count
     pixels, ids = real_shape_batch()
     config = tower.config
     with torch.no_grad():
-        expected = packed.encode(tower, pixels, ids, True)  # compiles, tunes and reads the clamps
+        expected = packed.encode(tower, pixels, ids, True, backend="auto")  # compiles, tunes and reads the clamps
         with warnings.catch_warnings(record=True) as counting, capture_path():
             warnings.simplefilter("always")
             counts = packed.count_items(ids, config.pooling_kernel_size, config.position_embedding_size)
         with warnings.catch_warnings(record=True) as caught, capture_path():
             warnings.simplefilter("always")
-            got = packed.encode(tower, pixels, ids, True, counts)
+            got = packed.encode(tower, pixels, ids, True, counts, "auto")
     syncs = [str(w.message) for w in counting if "synchroniz" in str(w.message)]
     assert len(syncs) == (1 if DEVICE.type == "cuda" else 0), syncs
     syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
@@ -194,7 +194,7 @@ def test_the_graphed_encoder_replays_other_items_as_its_layout_runs_eagerly(enco
         eager = graphed._run(bucket, (*counts.real, rows - total))[:total]
         real = [~(i == -1).all(-1) for i in ids]
         expected = packed.pooled_items(tower, eager, real, ids, counts, True)
-        packed_call = packed.encode(tower, pixels, ids, True, counts)
+        packed_call = packed.encode(tower, pixels, ids, True, counts, "auto" if encoder == "fused" else None)
     assert list(graphed._captured) == [rows]
     for item, (tokens, same_layout, unbucketed) in enumerate(zip(got, expected, packed_call, strict=True)):
         assert_bit_identical(tokens, same_layout, f"item {item}")

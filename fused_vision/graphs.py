@@ -19,12 +19,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from .._dispatch import warn_once
-from .._validation import positive_int
-from ..integrations import transformers as transformers_integration
-from . import varlen
-from .attention import Packing
-from .packed import ItemCounts, check_attention, count_items, encoded_rows, pack_items, pooled_items
+from ._dispatch import warn_once
+from ._validation import positive_int
+from .encoder import varlen
+from .encoder.attention import Packing
+from .encoder.packed import ItemCounts, check_attention, count_items, encoded_rows, pack_items, pooled_items
+from .integrations.encoder import fused_backend
+from .integrations.transformers import pooler_returns_float32
 
 # The paths whose kernels read the items from the offsets on the device, not from host lengths.
 GRAPH_PATHS = ("flash_attn_3", "flash_attn_4", "vllm_flash_attn", "flash_attn", "torch_varlen", "cudnn")
@@ -106,12 +107,11 @@ class GraphedEncoder:
                 encoded = bucket.rows
             else:  # no graph: the same layout, with the lengths sdpa reads on the host
                 encoded = self._run(bucket, (*lengths, rows - total))
-            pooler_float32 = transformers_integration.pooler_returns_float32()
-            return pooled_items(self.tower, encoded[:total], real, position_ids, counts, pooler_float32)
+            return pooled_items(self.tower, encoded[:total], real, position_ids, counts, pooler_returns_float32())
 
     def _run(self, bucket: _Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
         packing = Packing(bucket.offsets, lengths, bucket.pixels.shape[0])
-        return encoded_rows(self.tower, bucket.pixels, bucket.ids, packing)
+        return encoded_rows(self.tower, bucket.pixels, bucket.ids, packing, fused_backend(self.tower))
 
     def _bucket(self, rows: int, pixels: torch.Tensor) -> _Bucket:
         """The bucket of ``rows``, its graph captured on its first call on a CUDA device."""
