@@ -203,6 +203,28 @@ class CopyShare:
         return f"{head}: **not met** (below: {where})." if below else f"{head}: met (lowest: {where})."
 
 
+@dataclass(frozen=True)
+class EpilogueChoice:
+    """The GEMM with the GELU gate in its epilogue against the separate path it would replace (cuBLAS's
+    GEMM, then the gate kernel): which is faster at each case, so which the fused layer should run."""
+
+    device: str
+
+    def judge(self, rows: list[dict]) -> str:
+        head = f"Choice ({self.device}): the gate in the GEMM's epilogue (fused) where it beats the separate path"
+        by_case: dict[str, dict[str, dict]] = defaultdict(dict)
+        for row in rows:
+            by_case[row["case"]][row["provider"]] = row
+        pairs = [
+            (case, got["fused"], got["separate"]) for case, got in by_case.items() if {"fused", "separate"} <= set(got)
+        ]
+        if not pairs:
+            return f"{head}: not judged, this run has no fused and separate rows at one case."
+        shown = ", ".join(f"{significant(s['ms_p50'] / f['ms_p50'], 3)}× at {case}" for case, f, s in pairs)
+        faster = all(f["ms_p50"] < s["ms_p50"] for _, f, s in pairs)
+        return f"{head}: {'fused' if faster else '**separate**'} (separate / fused: {shown})."
+
+
 # CPU, at its default mix: packed at least the padding it drops, and the fused layer's reference path no slower
 # than stock's layer; GPU: bench/NOTES.md's packed prediction, and the fused encoder's goals.
 CPU_MIX = Mix(CPU_ENCODER_CASES[0]).name
@@ -222,6 +244,8 @@ ENCODER_TARGETS = {
 }
 # The layer ops move their bytes once each; a CPU runs Triton only in its interpreter, so it has no such goal.
 LAYER_OP_TARGETS = {"cuda": CopyShare("GPU", 70.0)}
+# The GEMM ops are not copies: what their rows decide is whether the epilogue beats the separate path.
+GEMM_OP_CHOICES = {"cuda": {"gate_up_gelu": EpilogueChoice("GPU")}}
 
 
 def goal_summary(found: list[Verdict]) -> str:
@@ -266,8 +290,10 @@ def layer_op_lines(rows: list[dict], device: str) -> list[str]:
         if row["op"] in LAYER_OPS:
             groups[row["op"], row["D"], row["dtype"]].append(row)
     lines = []
+    choices = GEMM_OP_CHOICES.get(device, {})
     for (op, hidden, dtype), group in groups.items():
-        lines += [f"### {op} · D={hidden} · {dtype}", "", target.judge(group), ""]
+        judge = choices[op].judge if op in choices else target.judge
+        lines += [f"### {op} · D={hidden} · {dtype}", "", judge(group), ""]
     return lines
 
 

@@ -18,6 +18,7 @@ from .integrations import transformers as gemma4
 from .integrations.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 from .integrations.transformers import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from .integrations.vllm import apply_fused_vision_to_vllm_gemma4, revert_fused_vision_vllm_gemma4
+from .ops.gate_up_gelu import gate_up_gelu
 from .ops.gelu_gate import gelu_gate
 from .ops.patch_embed import patch_embed
 from .ops.pool_by_positions import pool_by_positions
@@ -55,6 +56,7 @@ __all__ = [
     "apply_fused_vision_to_sglang_gemma4",
     "apply_fused_vision_to_vllm_gemma4",
     "encode_images",
+    "gate_up_gelu",
     "gelu_gate",
     "patch_embed",
     "pool_by_positions",

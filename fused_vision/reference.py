@@ -299,3 +299,9 @@ def gelu_gate(gate_up: torch.Tensor, clamps: torch.Tensor | None = None) -> torc
     # No graph to keep: the product goes into the GELU's buffer, one (..., I) buffer fewer at the MLP's peak.
     product = activated.mul_(clipped(up, clamps, 1))
     return product if clamps is None else product.clamp_(clamps[2, 0], clamps[2, 1])
+
+
+def gate_up_gelu(y: torch.Tensor, weight: torch.Tensor, clamps: torch.Tensor | None = None) -> torch.Tensor:
+    """The MLP's gate/up GEMM and its activation, as the fused layer runs them: ``gelu_gate`` of
+    ``F.linear(y, weight)`` on the (2I, D) concatenated gate and up weight."""
+    return gelu_gate(F.linear(y, weight), clamps)

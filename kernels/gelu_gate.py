@@ -58,11 +58,9 @@ def _gelu_tanh(x, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _gelu_gate_part(gate_row, out_row, cols, bounds, INTERMEDIATE: tl.constexpr, MASKED: tl.constexpr,
-                    HAS_CLAMPS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """One part of a row; up sits INTERMEDIATE columns after gate. Masked only where the part passes I."""
-    gate = load_part(gate_row + cols, cols, INTERMEDIATE, MASKED).to(tl.float32)
-    up = load_part(gate_row + INTERMEDIATE + cols, cols, INTERMEDIATE, MASKED)
+def gelu_gate_values(gate, up, bounds, HAS_CLAMPS: tl.constexpr, DTYPE: tl.constexpr):
+    """``gelu_tanh(gate) * up`` in DTYPE from gate (fp32, holding DTYPE values) and up (DTYPE), with the
+    clamps' ``bounds`` (gate's, up's, down's input); shared with the gate/up GEMM's epilogue."""
     # Stock's act_fn(gate) rounds to the hidden dtype, then `* up` rounds again.
     if HAS_CLAMPS:
         gate_low, gate_high, up_low, up_high, down_low, down_high = bounds
@@ -70,9 +68,30 @@ def _gelu_gate_part(gate_row, out_row, cols, bounds, INTERMEDIATE: tl.constexpr,
         # The product of two narrow values is exact in fp32, and down's input clamp has bounds in the dtype:
         # clamping before the product's rounding is clamping after it.
         product = gelu * clamp(up.to(tl.float32), up_low, up_high)
-        out = round_to(clamp(product, down_low, down_high), DTYPE)
+        return round_to(clamp(product, down_low, down_high), DTYPE)
     else:
-        out = mul_rounded(round_to(_gelu_tanh(gate, DTYPE), DTYPE), up, DTYPE)
+        return mul_rounded(round_to(_gelu_tanh(gate, DTYPE), DTYPE), up, DTYPE)
+
+
+@triton.jit
+def gelu_gate_bounds(clamps_ptr, HAS_CLAMPS: tl.constexpr, DTYPE: tl.constexpr):
+    """The (3, 2) clamps table's six bounds in DTYPE (zeros without clamps), read once: the stores after
+    may alias it, for all the compiler knows."""
+    if HAS_CLAMPS:
+        return (
+            clamp_bounds(clamps_ptr, 0, DTYPE) + clamp_bounds(clamps_ptr, 1, DTYPE) + clamp_bounds(clamps_ptr, 2, DTYPE)
+        )
+    else:
+        return (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+
+@triton.jit
+def _gelu_gate_part(gate_row, out_row, cols, bounds, INTERMEDIATE: tl.constexpr, MASKED: tl.constexpr,
+                    HAS_CLAMPS: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
+    """One part of a row; up sits INTERMEDIATE columns after gate. Masked only where the part passes I."""
+    gate = load_part(gate_row + cols, cols, INTERMEDIATE, MASKED).to(tl.float32)
+    up = load_part(gate_row + INTERMEDIATE + cols, cols, INTERMEDIATE, MASKED)
+    out = gelu_gate_values(gate, up, bounds, HAS_CLAMPS, DTYPE)
     store_part(out_row + cols, out, cols, INTERMEDIATE, MASKED)
 
 
@@ -93,11 +112,7 @@ def _gelu_gate_kernel(
 ):
     main = tl.arange(0, MAIN)
     MASK_TAIL: tl.constexpr = MAIN + TAIL > INTERMEDIATE
-    bounds = (0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
-    if HAS_CLAMPS:  # read once: the stores below may alias them, for all the compiler knows
-        bounds = (
-            clamp_bounds(clamps_ptr, 0, DTYPE) + clamp_bounds(clamps_ptr, 1, DTYPE) + clamp_bounds(clamps_ptr, 2, DTYPE)
-        )
+    bounds = gelu_gate_bounds(clamps_ptr, HAS_CLAMPS, DTYPE)
     for block in tl.static_range(ROWS):
         # The last program's rows past the end repeat the last row, rewriting it with the same values.
         row = tl.minimum(tl.program_id(0).to(OFFSETS) * ROWS + block, num_rows - 1)

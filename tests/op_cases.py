@@ -230,6 +230,12 @@ def _gelu_inputs(scale=1, dtype=torch.float32):
     return dict(gate_up=gate_up, clamps=torch.tensor(CLAMPS, device=DEVICE))
 
 
+def _gate_up_inputs(scale=1, dtype=torch.float32):
+    y = torch.randn(2, 6 * scale, 24, device=DEVICE).to(dtype)
+    weight = (torch.randn(2 * 20, 24, device=DEVICE) / 24**0.5).to(dtype)
+    return dict(y=y, weight=weight, clamps=torch.tensor(CLAMPS, device=DEVICE))
+
+
 def _lookup_grad_inputs(scale=1, dtype=torch.float32):
     lookup = _lookup_inputs(scale)
     grad = torch.randn(2, 11 * scale, 8, device=DEVICE)
@@ -256,6 +262,7 @@ FORWARD_OPS = [
     OpCase("residual_rms_norm", _norm_inputs, fused_vision.residual_rms_norm, reference.residual_rms_norm,
            ("x", "residual", "post_weight", "next_weight")),
     OpCase("gelu_gate", _gelu_inputs, fused_vision.gelu_gate, reference.gelu_gate, ("gate_up",)),
+    OpCase("gate_up_gelu", _gate_up_inputs, fused_vision.gate_up_gelu, reference.gate_up_gelu, ("y", "weight")),
 ]  # fmt: skip
 BACKWARD_OPS = [
     OpCase("position_embeddings_backward", _lookup_grad_inputs, position_embeddings_backward, None, ("grad",)),

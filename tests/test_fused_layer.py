@@ -86,6 +86,30 @@ def test_items_of_any_size_in_one_call_match_stock_alone(poisoned, kernel_calls,
     assert_items_match(got, stock, exact, dtype)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_gate_up_epilogue_runs_where_asked_and_matches_stock(poisoned, kernel_calls, monkeypatch, kind):
+    """With FUSED_VISION_GATE_UP_EPILOGUE=1 each layer's gate/up GEMM carries the GELU gate (one launch of
+    the GEMM kernel a layer, none of the separate gate kernel), and the items stay as accurate as stock's."""
+    import fused_vision.kernels.gate_up_gelu as gemm_kernels
+
+    dtype = torch.bfloat16  # the GEMM kernel's dtypes: float32 keeps cuBLAS and the gate kernel
+    tower = tower_of(kind, dtype)
+    pixels, ids = mixed_items()
+    stock = alone(tower, pixels, ids)
+    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    launches, launch = [], gemm_kernels.gate_up_gelu
+    monkeypatch.setattr(gemm_kernels, "gate_up_gelu", lambda *a: launches.append(a[0].shape) or launch(*a))
+    monkeypatch.setenv("FUSED_VISION_GATE_UP_EPILOGUE", "1")
+    with fallbacks_fail():
+        got = encode_images(fused(tower), pixels, ids)
+    assert len(launches) == 2, "one epilogue GEMM per layer"
+    assert "gelu_gate" not in kernel_calls and kernel_calls.count("qkv_norm_rope") == 2
+    assert_items_match(got, stock, exact, dtype)
+    monkeypatch.setenv("FUSED_VISION_GATE_UP_EPILOGUE", "yes")
+    with pytest.raises(ValueError, match="FUSED_VISION_GATE_UP_EPILOGUE='yes': expected 0 or 1"):
+        encode_images(tower, pixels, ids)
+
+
 # Each head size in one dtype (the interpreter is slow); every dtype of both is the mixed items' test above.
 @pytest.mark.parametrize(("kind", "dtype"), [("31b_like", torch.float32), ("e2b_like", torch.bfloat16)], ids=case_id)
 def test_processor_images_of_two_budgets_and_video_frames(kind, dtype):
@@ -205,7 +229,7 @@ def test_grouped_kv_heads_match_stock():
 def test_the_mlp_in_blocks_of_rows_computes_what_it_computes_whole(kind, monkeypatch):
     """Where no graph is kept the MLP runs on blocks of rows (its transients a block's): blocks of 128 rows
     here over 20 items of 64 and 16 patches (512 real), then blocks of 200, uneven, over the same items."""
-    from fused_vision.encoder import fused_layer
+    from fused_vision.encoder import fused_layer, mlp
 
     tower = fused(tower_of(kind))
     pixels, ids = mixed_items()
@@ -214,17 +238,17 @@ def test_the_mlp_in_blocks_of_rows_computes_what_it_computes_whole(kind, monkeyp
     real_mlp = fused_layer._mlp
 
     def counted(layer, y, backend):
-        block = fused_layer.mlp_block_rows(layer.self_attn.config.intermediate_size, y.element_size())
+        block = mlp.mlp_block_rows(layer.self_attn.config.intermediate_size, y.element_size())
         blocks.append(-(-y.shape[0] // block) if y.shape[0] > block else 1)
         return real_mlp(layer, y, backend)
 
     monkeypatch.setattr(fused_layer, "_mlp", counted)
     with torch.no_grad():
         whole = packed.encode(tower, pixels, ids, True, backend="auto")  # the default block: the whole call
-        monkeypatch.setattr(fused_layer, "MLP_BLOCK_BYTES", 1)
-        monkeypatch.setattr(fused_layer, "MLP_MIN_BLOCK_ROWS", 128)
+        monkeypatch.setattr(mlp, "MLP_BLOCK_BYTES", 1)
+        monkeypatch.setattr(mlp, "MLP_MIN_BLOCK_ROWS", 128)
         got = packed.encode(tower, pixels, ids, True, backend="auto")
-        monkeypatch.setattr(fused_layer, "MLP_MIN_BLOCK_ROWS", 200)  # 200 // 128 * 128 is not it: at least 200
+        monkeypatch.setattr(mlp, "MLP_MIN_BLOCK_ROWS", 200)  # 200 // 128 * 128 is not it: at least 200
         uneven = packed.encode(tower, pixels, ids, True, backend="auto")
     assert blocks == [1, 1, 4, 4, 3, 3], "two layers each: whole, 4 blocks of 128, then 200, 200, 112"
     for index, (g, u, w) in enumerate(zip(got, uneven, whole, strict=True)):

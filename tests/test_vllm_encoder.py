@@ -21,6 +21,7 @@ from fused_vision import (
     revert_fused_vision_gemma4,
     revert_fused_vision_vllm_gemma4,
 )
+from fused_vision.encoder import mlp
 
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE
 from helpers import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail, reverting_to_stock
@@ -207,8 +208,8 @@ def test_a_quantized_linear_keeps_its_gemm_and_the_layer_fuses_around_it(
     apply_fused_vision_to_gemma4()
     apply_fused_vision_to_vllm_gemma4(encoder="fused")
     if mlp_blocks:  # the MLP on blocks of 7 rows: vLLM's linears name their sizes otherwise than torch's
-        monkeypatch.setattr(fl, "MLP_BLOCK_BYTES", 1)
-        monkeypatch.setattr(fl, "MLP_MIN_BLOCK_ROWS", 7)
+        monkeypatch.setattr(mlp, "MLP_BLOCK_BYTES", 1)
+        monkeypatch.setattr(mlp, "MLP_MIN_BLOCK_ROWS", 7)
     with fallbacks_fail():
         got = embeddings(tiny_model, "_process_video_input", inputs)
     assert ran["fused"] == 1 and len(ran["packed"]) == 1, "the layer fused, packed"

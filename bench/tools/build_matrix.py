@@ -41,7 +41,7 @@ from launches import DTYPES, Launch, launches, name
 from targets import KIB, TARGETS, Target, amdgcn_resources, occupancy, ptxas_resources
 from triton.compiler import ASTSource
 
-from fused_vision.kernels import patch_embed
+from fused_vision.kernels import gate_up_gelu, patch_embed
 from fused_vision.kernels.common import interpreting
 
 POINTER_TYPES = {
@@ -66,6 +66,7 @@ FLOORS = {
     "residual_rms_norm": STREAMING,
     "qkv_norm_rope": STREAMING,
     "patch_embed": TILE,
+    "gate_up_gelu": TILE,
     "patch_slots": PER_ITEM,
 }
 FIELDS = ("triton", "target", "kernel", "variant", "offered", "registers", "spill_bytes", "sgpr_spills")
@@ -151,7 +152,7 @@ def build(target: Target, launch: Launch, fp_fusion: bool) -> dict:
     warps = compiled.metadata.num_warps
     occupied = occupancy(target, used, warps)
     mma = matrix_instructions(target, code)
-    needs_tensor_core = launch.kernel == "patch_embed" and not launch.variant.startswith("float32")
+    needs_tensor_core = launch.kernel in ("patch_embed", "gate_up_gelu") and not launch.variant.startswith("float32")
     row |= dict(
         registers=used.registers,
         spill_bytes=used.spill_bytes,
@@ -188,12 +189,15 @@ def failed(row: dict) -> bool:
 
 
 def unserved(targets: list[Target]) -> list[str]:
-    """Each (target, dtype) for which the autotuned embedder would be offered no candidate."""
+    """Each (target, dtype) for which an autotuned GEMM (the embedder; the gate/up GEMM in bf16 and fp16)
+    would be offered no candidate."""
+    gemms = [(patch_embed, DTYPES), (gate_up_gelu, (torch.bfloat16, torch.float16))]
     return [
-        f"{target.name}: {patch_embed.__name__} offers no {name(dtype)} candidate"
+        f"{target.name}: {module.__name__} offers no {name(dtype)} candidate"
+        for module, dtypes in gemms
         for target in targets
-        for dtype in DTYPES
-        if not patch_embed.gpu_configs(dtype, target.limits)
+        for dtype in dtypes
+        if not module.gpu_configs(dtype, target.limits)
     ]
 
 

@@ -15,6 +15,7 @@ import triton
 
 from fused_vision import reference
 from fused_vision._dispatch import DeviceLimits
+from fused_vision.kernels import gate_up_gelu as gate_up_gelu_kernels
 from fused_vision.kernels import gelu_gate as gelu_gate_kernels
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
@@ -122,6 +123,16 @@ def layer_launches(dtype: torch.dtype):
             call = lambda: gelu_gate_kernels.gelu_gate(gate_up, clipped)
             ((args, kwargs),) = capture_launches(gelu_gate_kernels, ("_gelu_gate_kernel",), call)
             yield Launch("gelu_gate", label, gelu_gate_kernels._gelu_gate_kernel, args, kwargs)
+            # float32 keeps cuBLAS and the gate kernel; the clamps, an epilogue's few loads, on E2B/E4B's shape alone
+            if dtype != torch.float32 and (clipped is not None) == (hidden == 768):
+                gate_up_weight = torch.randn(2 * intermediate, hidden).to(dtype)
+                call = lambda: gate_up_gelu_kernels.gate_up_gelu(x, gate_up_weight, clipped)
+                ((args, kwargs),) = capture_launches(gate_up_gelu_kernels, ("_gate_up_gelu_tuned",), call)
+                for variant, meta, offered in tuned_launches(gate_up_gelu_kernels, dtype, label):
+                    kernel = gate_up_gelu_kernels._gate_up_gelu_kernel
+                    yield Launch(
+                        "gate_up_gelu", variant, kernel, args, with_heuristics(kernel, args, kwargs | meta), offered
+                    )
         for next_weight in (norm_weight, None):
             label = f"{name(dtype)}, D={hidden}{'' if next_weight is not None else ', last layer'}"
             call = lambda: residual_rms_norm_kernels.residual_rms_norm(x, x, norm_weight, next_weight, 1e-6)

@@ -37,6 +37,7 @@ from launches import Launch, capture_launches, programs, with_heuristics
 from targets import TARGETS, Target
 
 from fused_vision.kernels import (
+    gate_up_gelu,
     gelu_gate,
     patch_embed,
     pool_by_positions,
@@ -130,6 +131,31 @@ def embedder_headlines():
             yield Headline("patch_embed", label, launch, count, ROWS * hidden, None, trips, offered)
 
 
+def gate_up_headlines():
+    """The gate/up GEMM with the gate in its epilogue: each bf16 candidate at both towers' widths."""
+    clamps = torch.empty(3, 2, dtype=torch.float32, device="meta")
+    for _, hidden, _, _, intermediate, clipped in TOWERS:
+        y, weight = torch.empty(ROWS, hidden, **META), torch.empty(2 * intermediate, hidden, **META)
+        for config in gate_up_gelu.gpu_configs(torch.bfloat16):
+            tile = dict(config.kwargs, num_warps=config.num_warps, num_stages=config.num_stages)
+            args, kwargs, count = captured(
+                gate_up_gelu,
+                "_gate_up_gelu_tuned",
+                lambda: gate_up_gelu.gate_up_gelu(y, weight, clamps if clipped else None),
+                tile,
+            )
+            kernel = gate_up_gelu._gate_up_gelu_kernel
+            launch = Launch("gate_up_gelu", "", kernel, args, with_heuristics(kernel, args, kwargs))
+            blocks = "x".join(map(str, config.kwargs.values()))
+            label = f"D={hidden}, I={intermediate}, {blocks}, {config.num_warps} warps, {config.num_stages} stages"
+
+            def offered(target, config=config):
+                return config in gate_up_gelu.gpu_configs(torch.bfloat16, target.limits)
+
+            # D is a compile-time size: the compiler unrolls its 12 or 18 K blocks, so no loop is left.
+            yield Headline("gate_up_gelu", label, launch, count, ROWS * intermediate, None, (), offered)
+
+
 def pooler_headlines():
     for hidden in (1152, 768):
         hidden_states = torch.empty(32, 2520, hidden, **META)
@@ -186,6 +212,7 @@ HEADLINES = {
     "qkv_norm_rope": layer_headlines,
     "residual_rms_norm": layer_headlines,
     "gelu_gate": layer_headlines,
+    "gate_up_gelu": gate_up_headlines,
 }
 
 

@@ -166,4 +166,50 @@ class GeluGate(LayerBench):
         return partial(gelu_gate, *self.args)
 
 
-LAYER_OPS: dict[str, type[LayerBench]] = {op.name: op for op in (QkvNormRope, ResidualRmsNorm, GeluGate)}
+def gate_up_gelu_bytes(tokens: int, shape: dict, dtype: torch.dtype) -> int:
+    """(T, D) y and the (2I, D) weight read, (T, I) written; the fp32 clamps (E2B/E4B) read. The separate
+    path also writes and reads the (T, 2I) gate/up activations: 3 T I elements more."""
+    hidden, intermediate = shape["hidden_size"], shape["intermediate_size"]
+    clamps = 3 * 2 * 4 if shape["use_clipped_linears"] else 0
+    return (tokens * hidden + 2 * intermediate * hidden + tokens * intermediate) * dtype.itemsize + clamps
+
+
+class GateUpGelu(LayerBench):
+    """The MLP's gate/up GEMM and its GELU gate: ``separate`` is what the fused layer runs by default
+    (cuBLAS's GEMM, then the gate kernel), ``fused`` the one GEMM with the gate in its epilogue."""
+
+    name = "gate_up_gelu"
+    providers = (*LayerBench.providers, "separate")
+
+    def __init__(self, case, hidden, dtype, device):
+        super().__init__(case, hidden, dtype, device)
+        intermediate = self.shape["intermediate_size"]
+        weight = self.random(2 * intermediate, hidden) / hidden**0.5
+        self.args = (self.random(self.tokens, hidden), weight, self.clamps(3))
+        self.model_bytes = gate_up_gelu_bytes(self.tokens, self.shape, dtype)
+
+    def stock(self):
+        return partial(reference.gate_up_gelu, *self.args)
+
+    def compiled(self):
+        return partial(compile_static(reference.gate_up_gelu), *self.args)
+
+    def reference(self):
+        return partial(fused_vision.gate_up_gelu, *self.args, backend="reference")
+
+    def fused(self):
+        return partial(fused_vision.gate_up_gelu, *self.args, backend="triton")
+
+    def fused_kernel(self):
+        if self.dtype == torch.float32:
+            raise Unsupported("the epilogue GEMM takes bf16 and fp16 (float32 runs cuBLAS and the gate kernel)")
+        from fused_vision.kernels.gate_up_gelu import gate_up_gelu
+
+        return partial(gate_up_gelu, *self.args)
+
+    def separate(self):
+        y, weight, clamps = self.args
+        return lambda: fused_vision.gelu_gate(torch.nn.functional.linear(y, weight), clamps, backend="triton")
+
+
+LAYER_OPS: dict[str, type[LayerBench]] = {op.name: op for op in (QkvNormRope, ResidualRmsNorm, GeluGate, GateUpGelu)}

@@ -32,6 +32,7 @@ PROVIDERS = (
     "reference",
     "fused",
     "fused_kernel",
+    "separate",
     "padded",
     "packed",
     "graphed",

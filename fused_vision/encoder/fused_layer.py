@@ -43,13 +43,14 @@ from torch import nn
 from .. import _releases
 from .._dispatch import warn_once
 from .._validation import FLOAT_DTYPES
+from ..ops.gate_up_gelu import gate_up_gelu
 from ..ops.gelu_gate import gelu_gate
 from ..ops.qkv_norm_rope import qkv_norm_rope
 from ..ops.residual_rms_norm import residual_rms_norm
 from . import linears
+from .mlp import gate_up_epilogue, mlp_block_rows
 
 __all__ = [
-    "attend_valid_keys",
     "blocker",
     "may_read_on_host",
     "modeling_of",
@@ -263,17 +264,34 @@ def _clamp_table(clipped: list[nn.Module], sides: list[str]) -> torch.Tensor | N
     return torch.stack(rows).float()
 
 
-def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
-    """The group's projections of y side by side, each after its own input clamp: one GEMM where every
-    weight can be read and the clamps are alike (or absent), one per projection otherwise."""
+def _one_gemm_input(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor | None:
+    """y after the group's input clamp where one GEMM computes the group's projections (every weight can be
+    read, the clamps alike or absent); None where each projection needs its own."""
     clipped = _group(layer, group)
-    if all(linears.reads_weight(m.linear, y) for m in clipped):
-        if not clipped[0].use_clipped_linears:
-            return F.linear(y, _gemm_weight(layer, group))
-        if _input_clamps_alike(layer, group, clipped):
-            return F.linear(torch.clamp(y, clipped[0].input_min, clipped[0].input_max), _gemm_weight(layer, group))
+    if not all(linears.reads_weight(m.linear, y) for m in clipped):
+        return None
+    if not clipped[0].use_clipped_linears:
+        return y
+    if _input_clamps_alike(layer, group, clipped):
+        return torch.clamp(y, clipped[0].input_min, clipped[0].input_max)
+    return None
+
+
+def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
+    """The group's projections of y side by side, each after its own input clamp: one GEMM where
+    ``_one_gemm_input`` allows, one per projection otherwise."""
+    if (x := _one_gemm_input(y, layer, group)) is not None:
+        return F.linear(x, _gemm_weight(layer, group))
+    clipped = _group(layer, group)
     inputs = (torch.clamp(y, m.input_min, m.input_max) if m.use_clipped_linears else y for m in clipped)
     return torch.cat([linears.project(m.linear, x) for m, x in zip(clipped, inputs)], dim=-1)
+
+
+def _gated(y: torch.Tensor, layer: nn.Module, clamps, backend) -> torch.Tensor:
+    """``gelu_tanh(gate_proj(y)) * up_proj(y)``, the input of down_proj."""
+    if gate_up_epilogue() and (x := _one_gemm_input(y, layer, "gate_up")) is not None:
+        return gate_up_gelu(x, _gemm_weight(layer, "gate_up"), clamps, backend=backend)
+    return gelu_gate(_project(y, layer, "gate_up"), clamps, backend=backend)
 
 
 # ---- the layer and the loop ----------------------------------------------------------------------------
@@ -321,7 +339,7 @@ def _mlp(layer, y: torch.Tensor, backend) -> torch.Tensor:
     gelu_clamps = _clamp_table([mlp.gate_proj, mlp.up_proj, down], ["output", "output", "input"])
 
     def rows_out(rows: torch.Tensor) -> torch.Tensor:
-        output = linears.project(down.linear, gelu_gate(_project(rows, layer, "gate_up"), gelu_clamps, backend=backend))
+        output = linears.project(down.linear, _gated(rows, layer, gelu_clamps, backend))
         return torch.clamp(output, down.output_min, down.output_max) if down.use_clipped_linears else output
 
     # from the config: vLLM's and quantized linears name their sizes otherwise, or not at all
@@ -332,16 +350,6 @@ def _mlp(layer, y: torch.Tensor, backend) -> torch.Tensor:
     for start in range(0, y.shape[0], block):
         output[start : start + block] = rows_out(y[start : start + block])
     return output
-
-
-MLP_BLOCK_BYTES = 64 * 2**20  # a block's (rows, 2I) gate/up activations: 3,840 of the 26B/31B's bf16 rows
-MLP_MIN_BLOCK_ROWS = 1024  # so that each block's GEMMs still fill the device
-
-
-def mlp_block_rows(intermediate: int, element_size: int) -> int:
-    """Rows per MLP block: ``MLP_BLOCK_BYTES`` of (rows, 2I) activations, a multiple of 128 (the GEMMs'
-    tile rows), at least ``MLP_MIN_BLOCK_ROWS``."""
-    return max(MLP_MIN_BLOCK_ROWS, MLP_BLOCK_BYTES // (2 * intermediate * element_size) // 128 * 128)
 
 
 def _checkpointing(layer: nn.Module) -> bool:
@@ -391,16 +399,3 @@ def run_layers(encoder: nn.Module, hidden_states, position_ids, attend, shape, s
         )
         h, y = layer._gradient_checkpointing_func(fused_call, h, y) if _checkpointing(layer) else fused_call(h, y)
     return h
-
-
-def attend_valid_keys(valid: torch.Tensor):
-    """``attend`` for (B, N) padded rows: each item's queries attend to its valid keys (``valid``: (B, N)
-    True where real), as stock's sdpa with its bidirectional mask."""
-    mask = valid[:, None, None, :]
-
-    def attend(query, key, value, *, scale, dropout):
-        heads = [t.unflatten(0, valid.shape).transpose(1, 2) for t in (query, key, value)]  # (B, H, N, d)
-        output = F.scaled_dot_product_attention(*heads, attn_mask=mask, dropout_p=dropout, scale=scale)
-        return output.transpose(1, 2).flatten(0, 1)
-
-    return attend

@@ -10,6 +10,7 @@ that chooses is ``fused_vision.integrations.encoder.encoder_forward``. Details: 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from . import fused_layer
@@ -45,5 +46,18 @@ def padded_fused(encoder, inputs_embeds, attention_mask, pixel_position_ids, bac
         return dict(attention_mask=mask)
 
     rows, ids = inputs_embeds.flatten(0, 1), pixel_position_ids.flatten(0, 1)
-    attend = fused_layer.attend_valid_keys(attention_mask)
+    attend = attend_valid_keys(attention_mask)
     return fused_layer.run_layers(encoder, rows, ids, attend, attention_mask.shape, stock_kwargs, backend)
+
+
+def attend_valid_keys(valid: torch.Tensor):
+    """``attend`` for (B, N) padded rows: each item's queries attend to its valid keys (``valid``: (B, N)
+    True where real), as stock's sdpa with its bidirectional mask."""
+    mask = valid[:, None, None, :]
+
+    def attend(query, key, value, *, scale, dropout):
+        heads = [t.unflatten(0, valid.shape).transpose(1, 2) for t in (query, key, value)]  # (B, H, N, d)
+        output = F.scaled_dot_product_attention(*heads, attn_mask=mask, dropout_p=dropout, scale=scale)
+        return output.transpose(1, 2).flatten(0, 1)
+
+    return attend

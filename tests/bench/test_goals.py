@@ -157,3 +157,19 @@ def test_the_copy_target_is_judged_on_every_triton_row():
     assert "### gelu_gate · D=1152 · bfloat16" in goals.layer_op_lines(missed, "cuda")
     assert any(line.startswith("Target (GPU): ") for line in goals.layer_op_lines(missed, "cuda"))
     assert not goals.layer_op_lines(missed, "cpu")
+
+
+def gemm_row(provider, ms, case="image_8x280"):
+    return dict(op="gate_up_gelu", provider=provider, case=case, D=1152, dtype="bfloat16", ms_p50=ms, pct_of_copy=5.0)
+
+
+def test_the_epilogue_is_chosen_where_it_beats_the_separate_path_at_every_case():
+    choice = goals.GEMM_OP_CHOICES["cuda"]["gate_up_gelu"]
+    faster = [gemm_row("fused", 2.0), gemm_row("separate", 2.5), gemm_row("fused", 1.0, "video_32x70")]
+    faster.append(gemm_row("separate", 1.1, "video_32x70"))
+    assert choice.judge(faster).endswith(": fused (separate / fused: 1.25× at image_8x280, 1.10× at video_32x70).")
+    slower = faster + [gemm_row("fused", 3.0, "image_32x280"), gemm_row("separate", 2.9, "image_32x280")]
+    assert ": **separate** (separate / fused: " in choice.judge(slower)
+    assert choice.judge([gemm_row("fused", 1.0)]).endswith("no fused and separate rows at one case.")
+    lines = goals.layer_op_lines(faster, "cuda")
+    assert "### gate_up_gelu · D=1152 · bfloat16" in lines and not any(line.startswith("Target (") for line in lines)

@@ -284,6 +284,12 @@ def _per_sample_cases():
     def activate(gate_up, cotangent, backend):
         return (fused_vision.gelu_gate(gate_up[None], gelu["clamps"], backend=backend) * cotangent).sum()
 
+    gemm = CASES["gate_up_gelu"].inputs()
+    ys = torch.stack([CASES["gate_up_gelu"].inputs()["y"] for _ in range(3)])
+
+    def project(weight, y, cotangent, backend):
+        return (fused_vision.gate_up_gelu(y, weight, gemm["clamps"], backend=backend) * cotangent).sum()
+
     cotangent, pool_cotangent = torch.randn(3, 11, 8, device=DEVICE), torch.randn(3, 4, 8, device=DEVICE)
     qkv_args = (qkv["q_weight"], qkv["k_weight"], qkv["inv_freq"], qkv["qkv"], qkv["position_ids"])
     norm_args = (norm["post_weight"], norm["next_weight"], norm["x"], norm["residual"])
@@ -302,6 +308,8 @@ def _per_sample_cases():
         "residual_rms_norm": (add_and_norm, (*norm_args, torch.randn(3, 2, 5, 16, device=DEVICE)),
                               (None, None, 0, 0, 0), (0, 1), None),
         "gelu_gate": (activate, (gelu["gate_up"], torch.randn(3, 1, 6, 16, device=DEVICE)), (0, 0), (0,), None),
+        "gate_up_gelu": (project, (gemm["weight"], ys, torch.randn(3, 2, 6, 20, device=DEVICE)), (None, 0, 0), (0, 1),
+                         None),
     }  # fmt: skip
 
 
