@@ -76,22 +76,22 @@ def test_int32_ids_and_strided_hidden(poisoned, backend):
     assert_close(pooled, expected, atol=2**-7 * 48**0.5, rtol=2**-7)
 
 
-@pytest.mark.parametrize("items", [1, 2], ids=["contiguous_item", "two_items_interleaved"])
+@pytest.mark.parametrize("items", [1, 2], ids=["one_item", "two_items_interleaved"])
 def test_rows_past_2_to_the_31_elements(monkeypatch, items):
-    """Rows more than 2**31 elements into the hidden states, in one contiguous item or in two items
-    interleaved row by row (a view the launcher must not copy): the kernel offsets them in int64 (in
-    int32 it read out of bounds, a segfault under the interpreter). The 4.4 GB buffer is mapped lazily:
-    only the last slot's patches are written and read, the rest is padding, which the kernel skips.
-    Small integers make every sum exact, so that slot must match the reference pooler run on its
-    patches alone, bit for bit."""
-    k, width, height = 16, 16, 8448  # one slot per row of 16 x 16 patches: 528 slots, 135,168 patches
-    seq_len, output_length, hidden = width * height, height // k, 2**14 // items
-    buffer = torch.empty((seq_len, items, hidden), dtype=torch.float16, device=DEVICE)
+    """Rows more than 2**31 elements into the hidden states, whose rows lie 2**20 elements apart (in two
+    items, interleaved row by row): a view the launcher must not copy, whose rows the kernel offsets in
+    int64 (in int32 it read out of bounds, a segfault under the interpreter). The 4.8 GB buffer is mapped
+    lazily: only the last slot's patches are written and read, the rest is padding, which the kernel
+    skips. Small integers make every sum exact, so that slot must match the reference pooler run on its
+    patches alone, bit for bit. Rows 16 wide keep the interpreter's work to the patches'."""
+    k, width, height, hidden = 16, 16, 144, 16  # one slot per 16 rows of 16 patches: 9 slots, 2,304 patches
+    seq_len, output_length, row_span = width * height, height // k, 2**20 // items
+    buffer = torch.empty((seq_len, items, row_span), dtype=torch.float16, device=DEVICE)
     poison_empty(monkeypatch)
-    hidden_states = buffer.transpose(0, 1)
+    hidden_states = buffer[..., :hidden].transpose(0, 1)
     assert int32_inner_offsets(hidden_states) is hidden_states  # not copied: its rows are offset in int64
     first_read = seq_len - k * k
-    assert first_read * items * hidden >= 2**31
+    assert first_read * hidden_states.stride(1) >= 2**31
     values = torch.randint(-8, 9, (items, k * k, hidden), dtype=torch.float16, device=DEVICE)
     hidden_states[:, first_read:] = values
     ids = grid_ids(width, height, seq_len).expand(items, -1, -1).to(DEVICE)
