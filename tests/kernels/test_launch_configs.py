@@ -10,6 +10,7 @@ import torch
 
 import fused_vision
 from fused_vision import reference
+from fused_vision.kernels import gate_up_gelu as gate_up_gelu_kernels
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import pool_by_positions as pool_by_positions_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
@@ -24,7 +25,7 @@ pytestmark = pytest.mark.skipif(DEVICE.type != "cpu", reason="on a GPU the real 
 @pytest.fixture
 def gpu_tiles(monkeypatch):
     """Make the launchers choose the tiles they would choose on a GPU."""
-    for module in (position_embeddings_kernels, pool_by_positions_kernels, patch_embed_kernels):
+    for module in (position_embeddings_kernels, pool_by_positions_kernels, patch_embed_kernels, gate_up_gelu_kernels):
         monkeypatch.setattr(module, "interpreting", lambda: False)
 
 
@@ -88,14 +89,34 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
     assert_matches_stock(actual, pixels, weight, table, ids)
 
 
+# fp16: the interpreter has no bf16 dot (float32 has no candidate: cuBLAS and the gate kernel run it).
+@pytest.mark.parametrize("config", gate_up_gelu_kernels.gpu_configs(torch.float16), ids=str)
+@pytest.mark.parametrize("rows", [70, 200], ids=["rows_below_a_block", "a_shifted_last_block"])
+def test_gate_up_gelu_autotune_configs(poisoned, gpu_tiles, monkeypatch, config, rows):
+    """Each GPU tile on 200 columns of I (a shifted last column block) over D = 96 (K blocks of 32 or 64,
+    one partial): bit-identical to cuBLAS's order where every sum is exact, as accurate as stock elsewhere."""
+    tuned = _FixedConfig(gate_up_gelu_kernels._gate_up_gelu_tuned.fn, config)
+    monkeypatch.setattr(gate_up_gelu_kernels, "_gate_up_gelu_tuned", tuned)
+    generator = torch.Generator().manual_seed(rows)
+    y = torch.randint(-1, 2, (rows, 96), generator=generator).half()
+    weight = (torch.randint(-127, 128, (400, 96), generator=generator) / 1024).half()
+    clamps = torch.tensor([[-1.5, 1.5], [-2.0, 2.0], [-0.75, 0.75]])
+    actual = fused_vision.gate_up_gelu(y, weight, clamps, backend="triton")
+    expected = fused_vision.gelu_gate(torch.nn.functional.linear(y, weight), clamps, backend="triton")
+    assert_bit_identical(actual, expected)
+
+
 @pytest.mark.parametrize(
     "module,tuner,pointer",
-    [(patch_embed_kernels, "_patch_embed_tuned", "weight_ptr")],
-    ids=["patch_embed"],
+    [(patch_embed_kernels, "_patch_embed_tuned", "weight_ptr"), (gate_up_gelu_kernels, "_gate_up_gelu_tuned", "y_ptr")],
+    ids=["patch_embed", "gate_up_gelu"],
 )
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=dtype_id)
 def test_autotuner_offers_the_candidates_of_the_dtype(module, tuner, pointer, dtype):
     """On a GPU each autotuner prunes its list to the spill-free candidates of its operand dtype."""
+    if module is gate_up_gelu_kernels and dtype == torch.float32:
+        assert module.gpu_configs(dtype) == [], "float32 is cuBLAS's and the gate kernel's: never tuned"
+        return
     tuner = getattr(module, tuner)
     tuner.nargs = dict(zip(tuner.arg_names, [torch.empty(0)] * len(tuner.arg_names)))
     tuner.nargs[pointer] = torch.empty(0, dtype=dtype)
