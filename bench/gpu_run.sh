@@ -5,8 +5,8 @@
 #   bash bench/gpu_run.sh                              gpu_tests bench                ~6 min, box 470 s
 #   bash bench/gpu_run.sh planner_check kernel_tests   two more                       ~2.5 min, box 300 s
 #   bash bench/gpu_run.sh vllm_encoder                 the last                       ~2 min, box 180 s
-# Four more, for what a run leaves open: profile ncu (why a kernel misses its target), attention and
-# encoder_compiled.
+# Five more, for what a run leaves open: profile ncu (why a kernel misses its target), attention,
+# encoder_compiled and epilogue.
 # Where a step failed, rerun it alone. The steps:
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
@@ -32,6 +32,10 @@
 #   encoder_compiled  both encoders at image 8x280, video 32x70 and image 8x1120: stock, torch.compile
 #                  of it, fused, profiled; then the goals on those rows (the bench's default run reaches
 #                  compiled rows last; six compiles of 25 to 60 s each)                box 480 s
+#   epilogue       with FUSED_VISION_GATE_UP_EPILOGUE=1: the gate/up GEMM with the GELU gate in its epilogue
+#                  against cuBLAS + the gate kernel (gate_up_gelu's fused and separate rows), and both
+#                  encoders' fused rows with it, image 8x280 and video 32x70, beside the bench step's
+#                  fused rows without it                                           box 240 s
 # Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
 # checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs, vllm_encoder.md), so DIR
 # holds few files.
@@ -65,7 +69,7 @@ dry=${GPU_RUN_DRY:-0}
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
 kernel_tests=(tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
   tests/ops/test_patch_embed.py tests/ops/test_residual_rms_norm.py tests/ops/test_gelu_gate.py
-  tests/ops/test_qkv_norm_rope.py tests/test_fused_layer.py)
+  tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/test_fused_layer.py)
 if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
   bench_args=(--tiny --quick --ops position_embeddings --providers onehot,fused)
@@ -75,6 +79,7 @@ if [ "$dry" != 0 ]; then
   vllm_encoder_args=(--tiny)
   profile_args=(--tiny)
   compiled_args=(--tiny --quick --ops encoder_26b_31b --cases image_8x280)
+  epilogue_args=(--tiny --quick --ops gate_up_gelu --providers fused,separate)
   attention_args=(--tiny)
   ncu=()  # the profiled calls run bare
 else
@@ -84,6 +89,7 @@ else
   vllm_encoder_args=()
   profile_args=()
   compiled_args=(--time-budget 450 --ops encoder --cases image_8x280,video_32x70,image_8x1120)
+  epilogue_args=(--time-budget 210 --ops gate_up_gelu,encoder --cases image_8x280,video_32x70 --providers fused,separate)
   attention_args=()
   # --clock-control none: the clocks as in the timed runs. The sections: what bounds a kernel and why.
   ncu=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)" --clock-control none
@@ -92,7 +98,7 @@ else
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
 declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180
-  [profile]=90 [ncu]=120 [attention]=150 [encoder_compiled]=480)
+  [profile]=90 [ncu]=120 [attention]=150 [encoder_compiled]=480 [epilogue]=240)
 if [ "$dry" != 0 ]; then  # the interpreter at toy sizes, on CPUs a test suite's other workers share: 3x the boxes
   for name in "${!box[@]}"; do box[$name]=$((box[$name] * 3)); done
 fi
@@ -100,7 +106,7 @@ fi
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do
   if [ -z "${box[$name]:-}" ]; then
-    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder, profile, ncu, attention, encoder_compiled" >&2
+    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder, profile, ncu, attention, encoder_compiled, epilogue" >&2
     exit 2
   fi
   default_deadline=$((default_deadline + box[$name]))
@@ -190,6 +196,9 @@ for name in "${steps[@]}"; do
     encoder_compiled) step encoder_compiled "$python" -m fused_vision bench --out "$checks/encoder_compiled" \
       --providers stock,compiled,fused --profile "${compiled_args[@]}"
       [ ! -f "$checks/encoder_compiled/results.csv" ] || "$python" bench/goals.py "$checks/encoder_compiled/results.csv" || status=1 ;;
+    epilogue) step epilogue env FUSED_VISION_GATE_UP_EPILOGUE=1 "$python" -m fused_vision bench \
+      --out "$checks/epilogue" "${epilogue_args[@]}"
+      [ ! -f "$checks/epilogue/results.csv" ] || "$python" bench/goals.py "$checks/epilogue/results.csv" || status=1 ;;
   esac
 done
 

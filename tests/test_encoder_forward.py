@@ -12,7 +12,7 @@ from torch import nn
 import fused_vision.fused_layer as fl
 from fused_vision import apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
 from fused_vision.attention import Packing
-from fused_vision.encoder import varlen
+from fused_vision.encoder import padded, varlen
 
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE, GRIDS, KINDS, SEQ_LEN, make_inputs, tower_of
 from helpers import (
@@ -87,7 +87,8 @@ def test_where_the_host_may_not_read_it_stays_padded(monkeypatch, varlen_calls, 
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
     monkeypatch.setattr(fl, "may_read_on_host", lambda tensor: False)
     kernels = []
-    monkeypatch.setattr(fl, "attend_valid_keys", lambda valid, _f=fl.attend_valid_keys: kernels.append(1) or _f(valid))
+    attend = padded.attend_valid_keys
+    monkeypatch.setattr(padded, "attend_valid_keys", lambda valid: kernels.append(1) or attend(valid))
     got = encode(tower, embedded, valid, ids)
     assert varlen_calls == []
     if encoder == "packed":
