@@ -16,7 +16,8 @@ Per layer (stock's modules in brackets):
 layer's last pass (the first layer's is its own module). The E2B/E4B clipped linears' output clamps are
 folded into ``qkv_norm_rope`` and ``gelu_gate`` (and down_proj's input clamp into ``gelu_gate``); their
 input clamps run before the GEMM, which stays one GEMM where q, k and v (gate and up) clamp alike and
-becomes one per projection otherwise.
+becomes one per projection otherwise. With ``FUSED_VISION_GATE_UP_EPILOGUE=1`` the gate/up GEMM and
+``gelu_gate`` are one kernel, ``gate_up_gelu`` (``fused_vision.encoder.mlp``).
 
 The concatenated weights are shared, not copied: the first fused forward (or ``apply_…(model,
 encoder="fused")``) moves q/k/v's (gate/up's) weights into one tensor whose row blocks the parameters
