@@ -19,6 +19,7 @@ PROVIDER_COLORS = {
     "reference": "tab:brown",
     "fused": "tab:green",
     "fused_kernel": "tab:olive",
+    "separate": "black",  # the ten tab colours are taken
     "stock": "tab:gray",
     "padded": "tab:orange",
     "packed": "tab:cyan",

@@ -202,6 +202,7 @@ PROVIDER_NOTES = {
     "reference": "fused_vision's op on its PyTorch path, what a CPU runs",
     "fused": "fused_vision's op on its Triton kernel",
     "fused_kernel": "the Triton kernel's launcher alone",
+    "separate": "cuBLAS's GEMM, then fused_vision's gate kernel: the fused layer's default MLP",
 }
 
 

@@ -181,3 +181,7 @@ def test_a_gpu_row_keeps_its_peak_rates_and_floor(tmp_path, monkeypatch):
     assert (row["timing"], row["reps"], row["peak_bytes"], row["peak_requested_bytes"]) == ("speed", 48, 3 * MB, 2 * MB)
     assert row["pct_of_copy"] == pytest.approx(50.0) and row["pct_of_matmul"] == pytest.approx(50.0)
     assert row["floor_ms"] == pytest.approx(1.0)
+
+
+def test_every_provider_has_a_colour():
+    assert set(plan.PROVIDERS) <= set(plots.PROVIDER_COLORS)
