@@ -28,7 +28,10 @@ _ENCODER_PASSIVE_KWARGS = ("output_hidden_states", "output_attentions", "return_
 
 def fused_backend(module: nn.Module) -> str | None:
     """The backend of the fused layers a patched tower or encoder runs; None where they run stock's."""
-    state = patching.fused_state(module)
+    return _backend_of(patching.fused_state(module))
+
+
+def _backend_of(state) -> str | None:
     return state.backend if state is not None and state.op == "fused_encoder" else None
 
 
@@ -90,7 +93,7 @@ def packed_model_forward(self, pixel_values, pixel_position_ids, **kwargs):
     if not any(counts.real):  # nothing real: stock's own forward
         return patching.stock_method(self, "forward")(pixel_values, pixel_position_ids, **kwargs)
     output_class = stock_output_class(next(cls for cls in type(self).__mro__ if "forward" in cls.__dict__))
-    tokens = encode(self, list(pixel_values), position_ids, state.pooler_float32, counts, fused_backend(self))
+    tokens = encode(self, list(pixel_values), position_ids, state.pooler_float32, counts, _backend_of(state))
     return output_class(last_hidden_state=torch.cat(tokens))
 
 
@@ -127,7 +130,7 @@ def encoder_forward(self, inputs_embeds, attention_mask, pixel_position_ids=None
         rows, ids = inputs_embeds[attention_mask], pixel_position_ids[attention_mask]
         packing = Packing.of(lengths, rows.device)
         hidden_states = packed.scatter_rows(
-            packed.run_packed(self, rows, ids, packing, fused_backend(self)), attention_mask
+            packed.run_packed(self, rows, ids, packing, _backend_of(state)), attention_mask
         )
     elif state.op == "fused_encoder":
         hidden_states = padded.padded_fused(self, inputs_embeds, attention_mask, pixel_position_ids, state.backend)
