@@ -45,7 +45,8 @@
 # steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured, the XML
 # and the logs keep every test and planner row that finished.
 # GPU_RUN_DRY=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU under
-# TRITON_INTERPRET=1), to test this script, in boxes three times as long. PYTHON: default python3.
+# TRITON_INTERPRET=1), to test this script, in boxes three times as long; its gpu_tests and kernel_tests
+# run a few of their files. PYTHON: default python3.
 set -uo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 out="${GPU_RUN_OUT:-$root/bench/out/gpu_run}"
@@ -70,8 +71,11 @@ dry=${GPU_RUN_DRY:-0}
 kernel_tests=(tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
   tests/ops/test_patch_embed.py tests/ops/test_residual_rms_norm.py tests/ops/test_gelu_gate.py
   tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/test_fused_layer.py)
+gpu_tests_args=()
 if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
+  # Its fused encoders take three minutes under the interpreter; tests/test_scripts.py runs them on its own.
+  gpu_tests_args=(--ignore tests/gpu/test_fused_encoder.py)
   bench_args=(--tiny --quick --ops position_embeddings --providers onehot,fused)
   planner_args=(--device cpu --tiny)
   kernel_tests=(tests/test_validation.py)
@@ -180,7 +184,7 @@ for name in "${steps[@]}"; do
   case $name in
     # xunit1: the XML keeps the figures the tests record (errors against float64, largest differences).
     gpu_tests) step gpu_tests "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
-      -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" tests/gpu ;;
+      -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" "${gpu_tests_args[@]}" tests/gpu ;;
     # A missed goal is a verdict, not a failure: only a goals script that cannot read the run fails the step.
     bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
       [ ! -f "$out/results.csv" ] || "$python" bench/goals.py "$out/results.csv" || status=1 ;;
