@@ -1,7 +1,7 @@
 """fused_vision.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
 
 The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own
-(tests/vllm_models.py; `bash .ci/run tests_vllm` builds one per release) and skips without it.
+(tests/vllm_models.py; `bash .ci/run tests_vllm` builds one for both releases) and skips without it.
 """
 
 import importlib
