@@ -19,13 +19,14 @@ from helpers import DEVICE, TIME_BOXED
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_gpu_tests_smoke(out, expected_code, *pytest_args, files=("",), **env):
+def run_gpu_tests_smoke(out, expected_code, *pytest_args, files=(), **env):
     """tests/gpu (or those of its ``files``) at tiny sizes (FUSED_VISION_GPU_TESTS_SMOKE=1), with JUnit XML as
     bench/gpu_run.sh writes it; returns the XML's path."""
     xml = out / "gpu_tests.xml"
     command = [sys.executable, "-m", "pytest", "-m", "gpu", "-p", "no:cacheprovider", *pytest_args]
     command += ["-o", "junit_family=xunit1", "--junitxml", str(xml)]
-    command += [str(ROOT / "tests" / "gpu" / name) for name in files]
+    gpu_tests = ROOT / "tests" / "gpu"
+    command += [str(gpu_tests / name) for name in files] or [str(gpu_tests)]
     env = {**os.environ, "TRITON_INTERPRET": "1", "FUSED_VISION_GPU_TESTS_SMOKE": "1", **env}
     # About 3.5 minutes on an idle 2-core machine (the fused encoders under the interpreter); twice that
     # beside a busy test worker.
