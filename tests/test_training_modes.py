@@ -126,3 +126,41 @@ def test_gradients_under_autocast_are_as_accurate_as_stocks(kind, encoder):
     for name, grad in exact.items():
         what = f"{encoder} tower under autocast: grad of {name}"
         assert_as_accurate_as_stock(got[name], stock[name], grad, floor=ACCURACY_FLOOR[torch.bfloat16], what=what)
+
+
+def _class_patched(tower):
+    apply_fused_vision_to_gemma4(encoder="fused")
+    return tower
+
+
+def _moved(tower):
+    """A move to another device as ``.to(device)`` makes it: new storage for every parameter."""
+    tower = patched(tower, "fused")
+    return tower._apply(torch.Tensor.clone)
+
+
+# A fused tower as each route makes it: the weights are joined at apply, or at the first fused forward.
+ROUTES = {
+    "class_patch": _class_patched,
+    "instance_patch": lambda tower: patched(tower, "fused"),
+    "instance_patch_then_to_dtype": lambda tower: patched(tower, "fused").double().float(),
+    "instance_patch_then_to_device": _moved,
+}
+
+
+@pytest.mark.parametrize("route", ROUTES)
+def test_training_after_an_inference_mode_forward_gets_stocks_gradients(route):
+    """A validation pass under inference_mode (Lightning's default), even the forward that joins the q/k/v
+    and gate/up weights, leaves every weight trainable: the gradients after it are stock's."""
+    stock_tower = tower_of("31b_like")
+    pixels, ids = make_inputs(GRIDS, SEQ_LEN, seed=11)
+    expected = gradients(copy.deepcopy(stock_tower).train(), pixels, ids)
+    tower = ROUTES[route](copy.deepcopy(stock_tower))
+    for step in ("inference", "train", "inference", "train"):
+        if step == "inference":
+            with torch.inference_mode():
+                tower.eval()(pixel_values=pixels, pixel_position_ids=ids)
+            continue
+        tower.zero_grad(set_to_none=True)
+        got = gradients(tower.train(), pixels, ids)
+        assert_gradients_match(got, expected, what=f"{route}, training after an inference-mode forward: grad")

@@ -22,7 +22,8 @@ becomes one per projection otherwise. With ``FUSED_VISION_GATE_UP_EPILOGUE=1`` t
 The concatenated weights are shared, not copied: the first fused forward (or ``apply_…(model,
 encoder="fused")``) moves q/k/v's (gate/up's) weights into one tensor whose row blocks the parameters
 then view, the same ``nn.Parameter`` objects. A weight later replaced or moved (``.to``, a load with
-``assign=True``) is concatenated again at the next forward. Where autograd needs the weights' gradients
+``assign=True``) is concatenated again at the next forward, never as an inference tensor (a forward under
+``inference_mode`` leaves the parameters trainable). Where autograd needs the weights' gradients
 the GEMM reads ``torch.cat`` of the parameters instead, so training and LoRA on other modules see
 stock's gradients; under torch.compile too, as compiled graphs cannot rely on storage checks.
 
@@ -165,7 +166,7 @@ def _group(layer: nn.Module, group: str) -> list[nn.Module]:
 
 def _views_of(base: torch.Tensor | None, weights: list[torch.Tensor]) -> bool:
     """Whether ``weights`` are still the consecutive row blocks of ``base``."""
-    if base is None or base.dtype != weights[0].dtype or base.device != weights[0].device:
+    if base is None or base.dtype != weights[0].dtype or base.device != weights[0].device or base.is_inference():
         return False
     row = 0
     for weight in weights:
@@ -187,7 +188,8 @@ def share_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
             continue  # each keeps its own GEMM
         if _views_of(shared.get(group), [module.weight for module in modules]):
             continue
-        with torch.no_grad():
+        # Never an inference tensor, even under inference_mode: parameters viewing one get no gradient later.
+        with torch.inference_mode(False), torch.no_grad():
             base = torch.cat([module.weight for module in modules])
             row = 0
             for module in modules:
