@@ -11,8 +11,6 @@ standardized as the release's ``Gemma4VisionModel.forward`` does. A patched and 
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 from collections.abc import Iterable, Sequence
 
 import torch
@@ -21,6 +19,7 @@ from torch import nn
 from . import planner
 from ._chunks import HalvingChunks
 from ._dispatch import warn_once
+from ._inputs import Items, item_counts, resolve_tower, split_items
 from ._validation import positive_int
 from .encoder import packed
 from .encoder.attention import configured_attention
@@ -29,97 +28,6 @@ from .integrations.encoder import fused_backend
 from .integrations.stem import embedder_runs_stock
 
 __all__ = ["encode_images"]
-
-_TOWER_SUBMODULES = ("patch_embedder", "encoder", "pooler")
-# Where the tower sits in the models that build one (Gemma4ForConditionalGeneration, Gemma4Model,
-# EmbeddingGemma2Model, DiffusionGemma's models): looked up before walking every module of the LLM.
-_TOWER_PATHS = ("vision_tower", "model.vision_tower", "encoder.vision_tower", "model.encoder.vision_tower")
-
-
-def _is_tower(module) -> bool:
-    return (
-        isinstance(module, nn.Module)
-        and all(name in module._modules for name in _TOWER_SUBMODULES)
-        and hasattr(module, "config")
-    )
-
-
-def _resolve_tower(model: nn.Module) -> nn.Module:
-    """The Gemma4VisionModel itself, or the first one inside ``model``."""
-    if _is_tower(model):
-        return model
-    for path in _TOWER_PATHS:
-        candidate = functools.reduce(lambda module, name: getattr(module, name, None), path.split("."), model)
-        if _is_tower(candidate):
-            return candidate
-    if isinstance(model, nn.Module):
-        tower = next((module for module in model.modules() if _is_tower(module)), None)
-        if tower is not None:
-            return tower
-    raise TypeError(
-        f"vision_tower: expected a Gemma4VisionModel (with patch_embedder, encoder, pooler and config) "
-        f"or a model containing one, got {type(model).__name__}"
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Items:
-    """``encode_images``' inputs, checked once: per-item (N_i, K) pixels and (N_i, 2) ids, and the (B, N, K)
-    and (B, N, 2) tensors they are rows of where the caller gave those."""
-
-    pixels: list[torch.Tensor]
-    ids: list[torch.Tensor]
-    stacked: tuple[torch.Tensor, torch.Tensor] | None
-
-    def chunk(self, selected: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Items ``selected`` (N alike) as (n, N, K) pixels and (n, N, 2) ids on ``device``: a slice of the
-        stacked input, whose one bucket holds every item in order, else a stack."""
-        if self.stacked is not None:
-            pixels, ids = (t[selected[0] : selected[-1] + 1] for t in self.stacked)
-        else:
-            pixels, ids = torch.stack([self.pixels[i] for i in selected]), torch.stack([self.ids[i] for i in selected])
-        return pixels.to(device), ids.to(device)
-
-
-def _items(pixel_values, pixel_position_ids) -> _Items:
-    """``pixel_values`` and ``pixel_position_ids`` checked and split per item."""
-    stacked = isinstance(pixel_values, torch.Tensor)
-    if stacked:
-        if not isinstance(pixel_position_ids, torch.Tensor):
-            raise TypeError("pixel_position_ids: expected a tensor like pixel_values")
-        if pixel_values.dim() != 3 or pixel_position_ids.dim() != 3:
-            raise ValueError(
-                f"pixel_values (B, N, K) and pixel_position_ids (B, N, 2) expected, got shapes "
-                f"{tuple(pixel_values.shape)} and {tuple(pixel_position_ids.shape)}"
-            )
-    elif not isinstance(pixel_values, Sequence) or not isinstance(pixel_position_ids, Sequence):
-        raise TypeError("pixel_values, pixel_position_ids: expected two tensors or two lists of per-item tensors")
-    if len(pixel_position_ids) != len(pixel_values):  # zip would drop the extra items silently
-        raise ValueError(
-            f"pixel_position_ids: expected {len(pixel_values)} items like pixel_values, got {len(pixel_position_ids)}"
-        )
-    pixels, ids = [], []
-    for i, (p, q) in enumerate(zip(pixel_values, pixel_position_ids)):
-        if not isinstance(p, torch.Tensor) or not isinstance(q, torch.Tensor):
-            raise TypeError(
-                f"pixel_values, pixel_position_ids: item {i} is {type(p).__name__} and {type(q).__name__}, "
-                "expected tensors"
-            )
-        p, q = (t[0] if t.dim() == 3 and t.shape[0] == 1 else t for t in (p, q))  # a listed item's batch of one
-        if p.dim() != 2 or q.dim() != 2 or q.shape[-1] != 2 or p.shape[0] != q.shape[0] or p.shape[0] == 0:
-            raise ValueError(
-                f"item {i}: expected pixels (N, K) and position ids (N, 2) with the same N >= 1, got "
-                f"{tuple(p.shape)} and {tuple(q.shape)}"
-            )
-        if q.dtype not in (torch.int32, torch.int64):  # the fused ops' (5.5-5.9's one-hot takes only int64)
-            raise TypeError(f"pixel_position_ids: item {i}: expected dtype int32 or int64, got {q.dtype}")
-        if pixels and p.shape[1] != pixels[0].shape[1]:  # one tower, one patch size: items of a bucket are stacked
-            raise ValueError(
-                f"pixel_values: item {i}: expected {pixels[0].shape[1]} features like item 0, got {p.shape[1]}"
-            )
-        pixels.append(p)
-        ids.append(q)
-    return _Items(pixels, ids, (pixel_values, pixel_position_ids) if stacked else None)
 
 
 def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> str:
@@ -224,7 +132,7 @@ def encode_images(
         it runs without autograd, whose saved activations the planner's chunks do not budget for.
     """
     with torch.no_grad():
-        return _encode_images(_resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch, packed)
+        return _encode_images(resolve_tower(vision_tower), pixel_values, pixel_position_ids, max_batch, packed)
 
 
 def _max_batch(value) -> int | None:
@@ -234,7 +142,7 @@ def _max_batch(value) -> int | None:
 
 def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_encoder) -> list[torch.Tensor]:
     max_batch = _max_batch(max_batch)
-    items = _items(pixel_values, pixel_position_ids)
+    items = split_items(tower, pixel_values, pixel_position_ids)
     table = tower.patch_embedder.position_embedding_table
     device, dtype = table.device, table.dtype
     if packed_encoder and not packed.attention_supported(tower.config):
@@ -272,7 +180,7 @@ def _encode_images(tower, pixel_values, pixel_position_ids, max_batch, packed_en
     return outputs  # type: ignore[return-value]
 
 
-def _checked_path(tower, items: _Items, indices) -> str:
+def _checked_path(tower, items: Items, indices) -> str:
     """``planner_path`` for the items ``indices``, whose ids must be int64 where it is the stock one-hot."""
     path = planner_path(tower, [(items.pixels[i], items.ids[i]) for i in indices])
     not_int64 = [i for i in indices if items.ids[i].dtype != torch.int64] if path == "onehot" else []
@@ -284,32 +192,11 @@ def _checked_path(tower, items: _Items, indices) -> str:
     return path
 
 
-def _item_counts(tower, pixels, ids) -> packed.ItemCounts:
-    """Every item's ``packed.count_items`` (one sync for all), checked as the packed encoder needs them."""
-    kernel = tower.config.pooling_kernel_size
-    table_rows = tower.config.position_embedding_size
-    for index, item_pixels in enumerate(pixels):
-        if item_pixels.shape[0] % kernel**2:
-            raise ValueError(
-                f"pixel_values: item {index}: {item_pixels.shape[0]} patches, not a multiple of the pooling "
-                f"kernel's {kernel**2}"
-            )
-    counts = packed.count_items(ids, kernel, table_rows)
-    for index, (real, outside) in enumerate(zip(counts.real, counts.outside_table)):
-        if real == 0:
-            raise ValueError(f"pixel_position_ids: item {index}: no real patch (every id is (-1, -1))")
-        if outside:
-            raise ValueError(
-                f"pixel_position_ids: item {index}: real patch ids outside the position table's [0, {table_rows})"
-            )
-    return counts
-
-
-def _encode_packed(tower, items: _Items, max_batch, device, dtype) -> list[torch.Tensor]:
+def _encode_packed(tower, items: Items, max_batch, device, dtype) -> list[torch.Tensor]:
     """Packed calls filled in input order up to the planner's token budget; halved on out-of-memory."""
     if not items.pixels:
         return []
-    counts = _item_counts(tower, items.pixels, items.ids)
+    counts = item_counts(tower, items)
     real = counts.real
     path = _checked_path(tower, items, range(len(real)))
     # Each call copies its items' real rows (concatenated, and moved to the device).

@@ -13,17 +13,18 @@ Details: docs/encoders.md, "CUDA graphs".
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ._dispatch import warn_once
+from ._inputs import Items, item_counts, resolve_tower, split_items
 from ._validation import positive_int
-from .encoder import varlen
+from .encoder import fused_layer, varlen
 from .encoder.attention import Packing
-from .encoder.packed import ItemCounts, check_attention, count_items, encoded_rows, pack_items, pooled_items
+from .encoder.packed import ItemCounts, check_attention, encoded_rows, pack_items, pooled_items
 from .integrations.encoder import fused_backend
 from .integrations.transformers import pooler_returns_float32
 
@@ -54,38 +55,53 @@ class GraphedEncoder:
 
     Args:
         tower: a ``Gemma4VisionModel`` (patched with ``encoder="fused"`` for the fused layers) on a CUDA
-            device, with an attention the packed encoder replaces.
-        token_buckets: the row counts to capture, each a positive int: a call takes the smallest that holds
-            its items' real patches. Each bucket's graph is captured on its first call.
+            device, with an attention the packed encoder replaces, or a model that contains one (as
+            ``encode_images`` takes it).
+        token_buckets: the row counts to capture, a sequence of positive ints: a call takes the smallest that
+            holds its items' real patches. Each bucket's graph is captured on its first call with that pixel
+            dtype.
         max_items: the most items one call may hold.
 
-    Off CUDA there are no graphs: each call runs the same bucketed layout eagerly, with one warning.
-    Inference only: calls run without autograd.
+    A graph reads the tower's weights where they were at its capture: after the tower's parameters or
+    buffers move (``.to``, a weight replaced), or its fused backend changes, the next call drops every graph
+    and captures again. Off CUDA there are no graphs: each call runs the same bucketed layout eagerly, with
+    one warning. Inference only: calls run without autograd.
     """
 
     def __init__(self, tower: nn.Module, token_buckets: Sequence[int], max_items: int):
+        if isinstance(token_buckets, (str, bytes)) or not isinstance(token_buckets, Iterable):
+            raise TypeError(f"token_buckets: expected a sequence of positive ints, got {token_buckets!r}")
         buckets = sorted({positive_int("token_buckets", value, "positive ints") for value in token_buckets})
         if not buckets:
             raise ValueError("token_buckets: expected at least one positive int")
-        check_attention(tower.config, "tower")
-        self.tower, self.buckets, self.max_items = tower, tuple(buckets), positive_int("max_items", max_items)
-        self._captured: dict[int, _Bucket] = {}
+        self.tower = resolve_tower(tower, "tower")
+        check_attention(self.tower.config, "tower")
+        self.buckets, self.max_items = tuple(buckets), positive_int("max_items", max_items)
+        self._captured: dict[tuple[int, torch.dtype], _Bucket] = {}
+        self._captured_for: tuple | None = None  # the tower's state the captured graphs read
+        self._modules_read: list[nn.Module] = []
         self._pool = None  # one memory pool for every bucket's graph: only one replays at a time
 
     def __call__(
         self,
-        pixel_values: Sequence[torch.Tensor],
-        position_ids: Sequence[torch.Tensor],
+        pixel_values: torch.Tensor | Sequence[torch.Tensor],
+        pixel_position_ids: torch.Tensor | Sequence[torch.Tensor],
         counts: ItemCounts | None = None,
     ) -> list[torch.Tensor]:
-        """Soft tokens of each item, (N_i, K) pixels and (N_i, 2) ids on the tower's device, as
-        ``packed.encode`` returns them; ``counts``: the items' ``count_items``, where the caller has them."""
-        config = self.tower.config
-        if len(position_ids) > self.max_items:
-            raise ValueError(f"pixel_position_ids: {len(position_ids)} items, more than max_items={self.max_items}")
+        """Soft tokens of each item, as ``packed.encode`` returns them, from what ``encode_images`` takes:
+        (B, N, K) and (B, N, 2) tensors, or lists of (N_i, K) / (1, N_i, K) pixels and (N_i, 2) /
+        (1, N_i, 2) ids, moved to the tower's device; ``counts``: the items' ``count_items``, where the
+        caller has them."""
+        items = split_items(self.tower, pixel_values, pixel_position_ids)
+        if len(items.ids) > self.max_items:
+            raise ValueError(f"pixel_position_ids: {len(items.ids)} items, more than max_items={self.max_items}")
+        if not items.ids:
+            return []
+        device = self.tower.patch_embedder.position_embedding_table.device
+        pixel_values = [p.to(device) for p in items.pixels]
+        position_ids = [i.to(device) for i in items.ids]
         with torch.no_grad():
-            if counts is None:
-                counts = count_items(position_ids, config.pooling_kernel_size, config.position_embedding_size)
+            counts = item_counts(self.tower, Items(pixel_values, position_ids, None), counts)
             total = sum(counts.real)
             rows = next((bucket for bucket in self.buckets if bucket >= total), None)
             if rows is None:
@@ -109,14 +125,35 @@ class GraphedEncoder:
                 encoded = self._run(bucket, (*lengths, rows - total))
             return pooled_items(self.tower, encoded[:total], real, position_ids, counts, pooler_returns_float32())
 
+    def _tower_state(self) -> tuple:
+        """What a captured graph reads of the tower: its fused backend, its modules, and their tensors' storage
+        and dtypes. Read off the module list of the last capture (a walk of the tower costs 30x more): a
+        replaced module changes its parent's children, and the next capture walks the tower again."""
+        state: list = [fused_backend(self.tower)]
+        for module in self._modules_read:
+            state += map(id, module._modules.values())
+            tensors = itertools.chain(module._parameters.values(), module._buffers.values())
+            state += ((t.data_ptr(), t.dtype) for t in tensors if t is not None)
+        return tuple(state)
+
     def _run(self, bucket: _Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
         packing = Packing(bucket.offsets, lengths, bucket.pixels.shape[0])
         return encoded_rows(self.tower, bucket.pixels, bucket.ids, packing, fused_backend(self.tower))
 
     def _bucket(self, rows: int, pixels: torch.Tensor) -> _Bucket:
-        """The bucket of ``rows``, its graph captured on its first call on a CUDA device."""
-        if rows in self._captured:
-            return self._captured[rows]
+        """The bucket of ``rows`` and the pixels' dtype, its graph captured on its first call on a CUDA device
+        (and again once the tower's state has changed)."""
+        state = self._tower_state()
+        if state != self._captured_for:
+            if state[0] is not None:  # the fused layers' joined weights, made now rather than in a capture
+                fused_layer.prepare(self.tower)
+            self._modules_read = list(self.tower.modules())
+            state = self._tower_state()
+            self._captured.clear()
+            self._captured_for = state
+        key = (rows, pixels.dtype)
+        if key in self._captured:
+            return self._captured[key]
         device, features = pixels.device, pixels.shape[-1]
         bucket = _Bucket(
             pixels=torch.zeros(rows, features, dtype=pixels.dtype, device=device),
@@ -125,7 +162,7 @@ class GraphedEncoder:
         )
         if device.type != "cuda":
             warn_once(f"GraphedEncoder: no CUDA graphs on {device.type}: each call runs eagerly", 3)
-            self._captured[rows] = bucket
+            self._captured[key] = bucket
             return bucket
         self._check_attention_path(device)
         # The padding item of all the rows: the layout the capture sees; any other replays alike.
@@ -140,7 +177,7 @@ class GraphedEncoder:
         with torch.cuda.graph(bucket.graph, pool=self._pool):
             bucket.rows = self._run(bucket, empty)
         self._pool = bucket.graph.pool()
-        self._captured[rows] = bucket
+        self._captured[key] = bucket
         return bucket
 
     def _check_attention_path(self, device: torch.device) -> None:

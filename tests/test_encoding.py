@@ -14,6 +14,7 @@ from torch import nn
 import fused_vision.encoding as fe
 import fused_vision.planner as planner
 from fused_vision import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
+from fused_vision._inputs import resolve_tower
 
 from gemma4_towers import (
     FP32_CLOSE,
@@ -282,8 +283,12 @@ def test_encode_images_errors(planner_calls):
                 encode_images(tower, *stacked_or_listed)
     with pytest.raises(ValueError, match="item 1"):
         encode_images(tower, list(pixels), [ids[0], ids[1][:10], ids[2]])
-    with pytest.raises(ValueError, match="pixel_values: item 2: expected .* features like item 0"):
+    with pytest.raises(ValueError, match=r"pixel_values: item 2: expected 12 features \(3 x patch_size\*\*2"):
         encode_images(tower, [*pixels[:2], pixels[2, :, :-1]], list(ids))
+    with pytest.raises(ValueError, match="pixel_values: item 0: expected 12 features"):  # the unpatched tower too
+        encode_images(tower, pixels[..., :-1], ids, packed=False)
+    with pytest.raises(TypeError, match="pixel_values: item 0: expected a floating-point dtype, got torch.int64"):
+        encode_images(tower, pixels.long(), ids)
     with pytest.raises(TypeError, match="Gemma4VisionModel"):
         encode_images(nn.Linear(2, 2), pixels, ids)
     for dtype in (torch.float32, torch.int16):
@@ -323,7 +328,7 @@ def test_models_that_build_the_gemma4_tower(family, planner_calls):
     text_config, vision = dict(TINY_TEXT, **text), vision_config().to_dict()
     config = getattr(family_modeling, config_name)(text_config=text_config, vision_config=vision)
     model = getattr(family_modeling, model_name)(config).eval()
-    tower = fe._resolve_tower(model)
+    tower = resolve_tower(model)
     assert type(tower) is modeling.Gemma4VisionModel
     randomize(tower, seed=3)
     pixels, ids = make_inputs(GRIDS, SEQ_LEN)

@@ -291,7 +291,7 @@ def test_bad_input_names_the_argument():
         encode_images(tower, pixels, [*ids[:2], outside, *ids[3:]])
     with pytest.raises(ValueError, match=r"pixel_values: item 0: 63 patches, not a multiple"):
         encode_images(tower, [pixels[0][:63], *pixels[1:]], [ids[0][:63], *ids[1:]])
-    with pytest.raises(ValueError, match=r"pixel_values: item 1: expected 12 features like item 0"):
+    with pytest.raises(ValueError, match=r"pixel_values: item 1: expected 12 features \(3 x patch_size"):
         encode_images(tower, [pixels[0], pixels[1][:, :-1], *pixels[2:]], ids)
     with pytest.raises(ValueError, match=r"item 1: expected pixels \(N, K\) and position ids \(N, 2\)"):
         encode_images(tower, pixels, [ids[0], ids[1][:8], *ids[2:]])

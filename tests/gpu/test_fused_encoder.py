@@ -172,8 +172,8 @@ def test_a_packed_call_syncs_once_to_count_its_items_and_nowhere_given_the_count
 @pytest.mark.parametrize("encoder", ["packed", "fused"])
 def test_the_graphed_encoder_replays_other_items_as_its_layout_runs_eagerly(encoder):
     """One bucket's graph, captured on its first call, replayed on items of other lengths: bit-identical to
-    the same layout run eagerly, and within bf16's rounding of the packed encoder. Without CUDA (smoke
-    mode) the calls run that layout eagerly, and the rest is tested."""
+    the same layout run eagerly, and within bf16's rounding of the packed encoder; after the tower moves to
+    fp16, captured again. Without CUDA (smoke mode) the calls run that layout eagerly, and the rest is tested."""
     tower = real_shape_tower(torch.bfloat16)
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
     patch_size, items, soft_tokens = BATCH
@@ -189,13 +189,20 @@ def test_the_graphed_encoder_replays_other_items_as_its_layout_runs_eagerly(enco
         pixels, ids = batches[1]
         got = graphed(pixels, ids)
         counts = packed.count_items(ids, 3, 10240)
-        bucket = graphed._captured[rows]
+        bucket = graphed._captured[rows, torch.float32]
         total = sum(counts.real)
         eager = graphed._run(bucket, (*counts.real, rows - total))[:total]
         real = [~(i == -1).all(-1) for i in ids]
         expected = packed.pooled_items(tower, eager, real, ids, counts, True)
         packed_call = packed.encode(tower, pixels, ids, True, counts, "auto" if encoder == "fused" else None)
-    assert list(graphed._captured) == [rows]
+    assert list(graphed._captured) == [(rows, torch.float32)]
     for item, (tokens, same_layout, unbucketed) in enumerate(zip(got, expected, packed_call, strict=True)):
         assert_bit_identical(tokens, same_layout, f"item {item}")
         assert relative_error(tokens, unbucketed) < 2e-2, f"item {item}"
+    tower.half()  # every weight in new storage: the graph that read the old one must not replay
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        moved = graphed(pixels, ids)
+        moved_call = packed.encode(tower, pixels, ids, True, counts, "auto" if encoder == "fused" else None)
+    for item, (tokens, unbucketed) in enumerate(zip(moved, moved_call, strict=True)):
+        assert relative_error(tokens, unbucketed) < 2e-2, f"item {item}, after the tower moved to fp16"
