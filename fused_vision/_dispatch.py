@@ -10,7 +10,6 @@ swallowed by the fallback.
 
 import contextlib
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from ._environment import choice
 
 BACKENDS = ("auto", "triton", "reference")
 ENV_BACKEND = "FUSED_VISION_BACKEND"
@@ -78,12 +79,7 @@ def _requested(backend: str) -> str:
     check_backend(backend)
     if backend != "auto":
         return backend
-    forced = os.environ.get(ENV_BACKEND, "").strip().lower()
-    if forced in ("", "auto"):
-        return "auto"
-    if forced not in BACKENDS:
-        raise ValueError(f"{ENV_BACKEND}: expected one of {BACKENDS}, got {forced!r}")
-    return forced
+    return choice(ENV_BACKEND, BACKENDS, "auto")
 
 
 def _named(backend: str) -> str:

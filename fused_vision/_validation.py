@@ -6,11 +6,11 @@ runs inside the ops' implementations.
 """
 
 import operator
-import os
 
 import torch
 
 from ._dispatch import every_item
+from ._environment import flag
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 INDEX_DTYPES = (torch.int32, torch.int64)
@@ -70,14 +70,14 @@ def id_checks_enabled(position_ids: torch.Tensor, *, guarded: bool = False) -> b
     VLLM_GPU_SYNC_CHECK arms it and fails on a sync outside the regions it allows, which leave out the
     patch embedder); nowhere with FUSED_VISION_CHECK_IDS=0.
     """
-    requested = os.environ.get(ENV_CHECK_IDS)
-    if requested == "0":
+    requested = flag(ENV_CHECK_IDS, default=None)
+    if requested is False:
         return False
     if not position_ids.is_cuda:
         return True
     if torch.cuda.is_current_stream_capturing() or torch.cuda.get_sync_debug_mode():
         return False
-    return requested == "1" or not guarded
+    return requested is True or not guarded
 
 
 def check_position_ids_range(position_ids: torch.Tensor, num_positions: int, *, guarded: bool = False) -> None:

@@ -155,7 +155,7 @@ def test_a_request_it_cannot_take_warns_once_and_takes_the_order(gpu, monkeypatc
 
 def test_a_request_for_an_unknown_path_is_refused(monkeypatch):
     monkeypatch.setenv(varlen.ENV_ATTENTION, "flash")
-    with pytest.raises(ValueError, match=r"FUSED_VISION_ATTENTION='flash': expected 'auto' or one of flash_attn_3, "):
+    with pytest.raises(ValueError, match=r"FUSED_VISION_ATTENTION='flash': expected one of auto, flash_attn_3, "):
         varlen.attention_path(states()[0])
 
 
@@ -166,7 +166,8 @@ def test_equal_runs_batch_consecutive_items_of_one_length():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_sdpa_runs_one_call_per_run_as_accurate_as_per_item(monkeypatch, dtype):
-    """Batched by runs of equal length, the output is as close to float64 as one call per item."""
+    """Batched by runs of equal length, the output is as close to float64 as one call per item (within the
+    suite's slack of 1.5: a batched call may take another of the CPU's sdpa kernels, per instruction set)."""
     calls, sdpa = [], torch.nn.functional.scaled_dot_product_attention
     path = varlen.PATHS["sdpa"]
     monkeypatch.setitem(
@@ -185,7 +186,7 @@ def test_sdpa_runs_one_call_per_run_as_accurate_as_per_item(monkeypatch, dtype):
         ]
     )
     assert got.shape == query.shape and got.dtype == dtype
-    assert (got.double() - exact).abs().max() <= max((per_item.double() - exact).abs().max(), 1e-6)
+    assert (got.double() - exact).abs().max() <= max(1.5 * (per_item.double() - exact).abs().max(), 1e-6)
 
 
 def test_flex_attention_with_its_document_mask_matches_float64():

@@ -105,8 +105,8 @@ def test_the_gate_up_epilogue_runs_where_asked_and_matches_stock(poisoned, kerne
     assert len(launches) == 2, "one epilogue GEMM per layer"
     assert "gelu_gate" not in kernel_calls and kernel_calls.count("qkv_norm_rope") == 2
     assert_items_match(got, stock, exact, dtype)
-    monkeypatch.setenv("FUSED_VISION_GATE_UP_EPILOGUE", "yes")
-    with pytest.raises(ValueError, match="FUSED_VISION_GATE_UP_EPILOGUE='yes': expected 0 or 1"):
+    monkeypatch.setenv("FUSED_VISION_GATE_UP_EPILOGUE", "2")
+    with pytest.raises(ValueError, match="FUSED_VISION_GATE_UP_EPILOGUE='2': expected one of 1, true, yes, on, 0"):
         encode_images(tower, pixels, ids)
 
 

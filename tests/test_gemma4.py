@@ -6,7 +6,6 @@ FUSED_VISION_EXPECT_ONEHOT_ERA=1, which checks that it really runs there.
 """
 
 import copy
-import os
 import pickle
 import sys
 
@@ -17,6 +16,7 @@ from torch import nn
 import fused_vision.gemma4 as fg
 import fused_vision.integrations.stem as stem
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
+from fused_vision._environment import flag
 from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings
 
 from gemma4_towers import (
@@ -55,7 +55,7 @@ def test_release_family_is_detected_from_the_code():
         assert not fg.onehot_lookup()
     if VERSION >= (5, 24):
         assert fg.pooler_returns_float32()
-    if os.environ.get(EXPECT_ONEHOT_ENV) == "1":  # CI's one-hot era run must really be on 5.5-5.9
+    if flag(EXPECT_ONEHOT_ENV):  # CI's one-hot era run must really be on 5.5-5.9
         assert VERSION < (5, 10), f"expected transformers 5.5-5.9, got {VERSION}"
         assert fg.onehot_lookup() and not fg.pooler_returns_float32()
 

@@ -1,7 +1,7 @@
 """The fused layer's MLP, as the device and the user choose it: whether its gate/up GEMM carries the GELU
 gate in its epilogue, and how many rows each of its blocks holds."""
 
-import os
+from .._environment import flag
 
 ENV_GATE_UP_EPILOGUE = "FUSED_VISION_GATE_UP_EPILOGUE"
 MLP_BLOCK_BYTES = 64 * 2**20  # a block's (rows, 2I) gate/up activations: 3,840 of the 26B/31B's bf16 rows
@@ -12,10 +12,7 @@ def gate_up_epilogue() -> bool:
     """Whether the MLP runs its gate/up GEMM with the GELU gate in the epilogue (``gate_up_gelu``):
     ``FUSED_VISION_GATE_UP_EPILOGUE=1``. Off by default: cuBLAS's GEMM and the gate kernel stay until
     the benchmark's ``gate_up_gelu`` rows show the epilogue faster on a device."""
-    requested = os.environ.get(ENV_GATE_UP_EPILOGUE, "0")
-    if requested not in ("0", "1"):
-        raise ValueError(f"{ENV_GATE_UP_EPILOGUE}={requested!r}: expected 0 or 1")
-    return requested == "1"
+    return flag(ENV_GATE_UP_EPILOGUE)
 
 
 def mlp_block_rows(intermediate: int, element_size: int) -> int:

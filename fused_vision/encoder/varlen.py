@@ -25,13 +25,13 @@ import functools
 import importlib
 import itertools
 import logging
-import os
 from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
 from .._dispatch import warn_once
+from .._environment import choice
 
 logger = logging.getLogger("fused_vision")
 
@@ -231,10 +231,8 @@ def usable(name: str, query: torch.Tensor, dropout: float = 0.0) -> bool:
 def attention_path(query: torch.Tensor, dropout: float = 0.0) -> str:
     """The path ``varlen_attention`` takes for (T, H, d) queries: the one ``FUSED_VISION_ATTENTION`` names
     where it is installed and takes them (else a warning, once), otherwise the first of ``AUTO_ORDER`` that is."""
-    requested = os.environ.get(ENV_ATTENTION, "auto")
+    requested = choice(ENV_ATTENTION, ("auto", *PATHS), "auto")
     if requested != "auto":
-        if requested not in PATHS:
-            raise ValueError(f"{ENV_ATTENTION}={requested!r}: expected 'auto' or one of {', '.join(PATHS)}")
         if usable(requested, query, dropout):
             return requested
         inputs = f"{query.device.type} {query.dtype} queries of head_dim {query.shape[-1]}"

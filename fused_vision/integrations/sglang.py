@@ -14,12 +14,12 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
-import os
 
 import torch
 from torch import nn
 
 from .. import patching
+from .._environment import flag
 from ..encoder import packed
 from ..encoder.attention import Packing
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
@@ -326,8 +326,8 @@ def revert_fused_vision_sglang_gemma4(model: nn.Module | None = None) -> int:
 def sglang_plugin() -> None:
     """SGLang's general-plugin hook (entry point group ``sglang.srt.plugins``), which SGLang runs in every
     process it starts, its schedulers included. Opt-in: patches SGLang's Gemma 4 classes only when
-    FUSED_VISION_SGLANG=1."""
-    if os.environ.get(ENV_SGLANG) != "1":
+    FUSED_VISION_SGLANG is on; a value the switch does not take raises ValueError naming it."""
+    if not flag(ENV_SGLANG):
         return
     try:
         apply_fused_vision_to_sglang_gemma4()

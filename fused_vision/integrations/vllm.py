@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import importlib
 import logging
-import os
 import sys
 
 import torch
@@ -25,6 +24,7 @@ from torch import nn
 from .. import encoding, patching, planner
 from .._chunks import HalvingChunks
 from .._dispatch import warn_once
+from .._environment import choice, flag
 from .transformers import ENCODERS, apply_fused_vision_to_gemma4
 
 __all__ = [
@@ -222,16 +222,12 @@ def vllm_plugin() -> None:
     """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
     process it starts, its model workers included, where a patch made in the launching script does not
     reach. Opt-in: only with FUSED_VISION_VLLM=1 does it patch transformers' Gemma 4 classes, then vLLM's
-    Gemma 4 model with FUSED_VISION_VLLM_ENCODER's encoder (stock when unset). It never raises: vLLM runs
-    its plugins unguarded, so an error would stop the process."""
-    if os.environ.get(ENV_VLLM) != "1":
+    Gemma 4 model with FUSED_VISION_VLLM_ENCODER's encoder (stock when unset). A malformed switch raises
+    ValueError naming it, which stops the process: a typo must not serve stock silently. A patch that
+    cannot be made only logs a warning: vLLM runs its plugins unguarded."""
+    if not flag(ENV_VLLM):
         return
-    encoder = os.environ.get(ENV_VLLM_ENCODER) or "stock"
-    if encoder not in ENCODERS:
-        logger.warning(
-            "fused_vision: %s=%r is none of %s: the encoder stays stock", ENV_VLLM_ENCODER, encoder, ENCODERS
-        )
-        encoder = "stock"
+    encoder = choice(ENV_VLLM_ENCODER, ENCODERS, "stock")
     for what, apply in (
         ("Gemma 4", apply_fused_vision_to_gemma4),
         ("vLLM's Gemma 4", functools.partial(apply_fused_vision_to_vllm_gemma4, encoder=encoder)),

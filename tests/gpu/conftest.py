@@ -8,17 +8,17 @@ pooler past 2**31 elements, whose int64 strides build its kernels again) last, s
 
 import contextlib
 import dataclasses
-import os
 
 import pytest
 import torch
 
 import fused_vision
 from fused_vision import _dispatch
+from fused_vision._environment import flag
 
 from helpers import DEVICE
 
-SMOKE = os.environ.get("FUSED_VISION_GPU_TESTS_SMOKE") == "1"
+SMOKE = flag("FUSED_VISION_GPU_TESTS_SMOKE")
 P = 10240  # the position table's rows per axis
 
 
