@@ -1,9 +1,9 @@
 """The packed encoder's embedder and layers in CUDA graphs, one per token bucket (opt-in).
 
 vLLM captures its encoder's CUDA graphs on padded batches; this captures the packed sequence. A call of T
-real patches replays the graph of the smallest bucket of at least T rows: the items' rows first, then one
-padding item of the bucket's remaining rows, which attends only to itself, then items of no rows up to
-the graph's item count. The items' offsets are a device buffer that each replay reads, and the longest
+real patches replays the graph of the smallest bucket of at least T rows: the items' rows first, then the
+bucket's remaining rows split evenly into padding items, each attending only to itself, then items of no
+rows up to the graph's item count. The items' offsets are a device buffer that each replay reads, and the longest
 item is taken to be the bucket, so one graph serves any items that fit it. The pooler and the split into
 items run eagerly after the replay, from the items' counts: a call syncs once to count its items, and
 not at all given the counts. The attention must be a path that reads only the offsets (``GRAPH_PATHS``).
@@ -38,16 +38,26 @@ class _Bucket:
 
     pixels: torch.Tensor  # (rows, K)
     ids: torch.Tensor  # (rows, 2)
-    offsets: torch.Tensor  # (max_items + 2,) int32: the items', the padding item's, then empty items'
+    offsets: torch.Tensor  # (2 * max_items + 1,) int32: the items', the padding items', then empty items'
     rows: torch.Tensor | None = None  # (rows, D), written by the graph
     graph: torch.cuda.CUDAGraph | None = None
 
 
+def bucket_lengths(lengths: Sequence[int], rows: int, max_items: int) -> list[int]:
+    """The 2 * ``max_items`` item lengths of a bucket of ``rows`` holding ``lengths`` items: theirs, then
+    ``max_items`` padding items that split the remaining rows evenly, then empty items.
+
+    A padding item's attention grows with the square of its rows: split ``max_items`` ways, the padding
+    attends (rows - T)**2 / max_items pairs in all, and no padding item is longer than the longest real
+    one wherever rows - T <= T (a call that fills at least half its bucket)."""
+    pieces, longer = divmod(rows - sum(lengths), max_items)
+    padding = [pieces + 1] * longer + [pieces] * (max_items - longer)
+    return [*lengths, *padding, *[0] * (max_items - len(lengths))]
+
+
 def bucket_offsets(lengths: Sequence[int], rows: int, max_items: int) -> list[int]:
-    """The offsets of ``lengths`` items in a bucket of ``rows``: theirs, the padding item's end, then the
-    same end for each empty item up to ``max_items`` items."""
-    offsets = [0, *itertools.accumulate(lengths)]
-    return offsets + [rows] * (max_items + 2 - len(offsets))
+    """The items' offsets in the layout ``bucket_lengths`` gives, the device buffer each replay reads."""
+    return [0, *itertools.accumulate(bucket_lengths(lengths, rows, max_items))]
 
 
 class GraphedEncoder:
@@ -122,7 +132,7 @@ class GraphedEncoder:
                 bucket.graph.replay()
                 encoded = bucket.rows
             else:  # no graph: the same layout, with the lengths sdpa reads on the host
-                encoded = self._run(bucket, (*lengths, rows - total))
+                encoded = self._run(bucket, bucket_lengths(lengths, rows, self.max_items))
             return pooled_items(self.tower, encoded[:total], real, position_ids, counts, pooler_returns_float32())
 
     def _tower_state(self) -> tuple:
@@ -136,7 +146,7 @@ class GraphedEncoder:
             state += ((t.data_ptr(), t.dtype) for t in tensors if t is not None)
         return tuple(state)
 
-    def _run(self, bucket: _Bucket, lengths: tuple[int, ...]) -> torch.Tensor:
+    def _run(self, bucket: _Bucket, lengths: Sequence[int]) -> torch.Tensor:
         packing = Packing(bucket.offsets, lengths, bucket.pixels.shape[0])
         return encoded_rows(self.tower, bucket.pixels, bucket.ids, packing, fused_backend(self.tower))
 
@@ -165,8 +175,8 @@ class GraphedEncoder:
             self._captured[key] = bucket
             return bucket
         self._check_attention_path(device)
-        # The padding item of all the rows: the layout the capture sees; any other replays alike.
-        empty = (rows,) + (0,) * self.max_items
+        # Padding items of all the rows: the layout the capture sees; any other replays alike.
+        empty = bucket_lengths([], rows, self.max_items)
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):  # compiles, autotunes and the clamps' first read stay out of the capture

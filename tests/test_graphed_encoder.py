@@ -1,4 +1,4 @@
-"""``GraphedEncoder``: the packed encoder's bucketed layout, the items' rows then one padding item, against
+"""``GraphedEncoder``: the packed encoder's bucketed layout, the items' rows then padding items, against
 stock item by item. Off CUDA it runs that layout eagerly; tests/gpu/test_cuda_graphs.py replays its graphs."""
 
 import warnings
@@ -8,7 +8,7 @@ import torch
 
 from fused_vision import GraphedEncoder, _dispatch, apply_fused_vision_to_gemma4, encode_images
 from fused_vision.encoder.packed import count_items
-from fused_vision.graphs import bucket_offsets
+from fused_vision.graphs import bucket_lengths, bucket_offsets
 
 from gemma4_towers import (
     GRIDS,
@@ -24,9 +24,27 @@ from gemma4_towers import (
 from helpers import assert_bit_identical
 
 
-def test_the_offsets_close_with_the_padding_item_then_empty_items():
-    assert bucket_offsets([5, 3], 12, max_items=4) == [0, 5, 8, 12, 12, 12]
-    assert bucket_offsets([6, 6], 12, max_items=2) == [0, 6, 12, 12], "no padding rows: an empty padding item"
+def test_the_offsets_close_with_padding_items_then_empty_items():
+    assert bucket_lengths([5, 3], 12, max_items=3) == [5, 3, 2, 1, 1, 0]
+    assert bucket_offsets([5, 3], 12, max_items=3) == [0, 5, 8, 10, 11, 12, 12]
+    assert bucket_lengths([6, 6], 12, max_items=2) == [6, 6, 0, 0], "no padding rows: empty padding items"
+    assert bucket_lengths([], 12, max_items=5) == [3, 3, 2, 2, 2, 0, 0, 0, 0, 0], "the capture's layout"
+
+
+def _attention_pairs(lengths):
+    return sum(length * length for length in lengths)
+
+
+@pytest.mark.parametrize(("real", "rows", "max_items"), [([10_081], 20_160, 8), ([1_261] * 7 + [1_254], 20_160, 8)])
+def test_no_padding_item_attends_more_than_a_real_one(real, rows, max_items):
+    """A call that fills just over half its bucket: the padding's attention, split into ``max_items`` items,
+    costs at most the real items' (one padding item of every remaining row cost 8x the eight images'), and
+    no padding item is longer than the longest real one."""
+    lengths = bucket_lengths(real, rows, max_items)
+    padding = lengths[len(real) : len(real) + max_items]
+    assert sum(lengths) == rows and sum(padding) == rows - sum(real)
+    assert max(padding) <= max(real)
+    assert _attention_pairs(padding) <= _attention_pairs(real)
 
 
 @pytest.mark.parametrize("encoder", ["packed", "fused"])

@@ -11,6 +11,7 @@ import torch
 
 from fused_vision import GraphedEncoder, apply_fused_vision_to_gemma4, encode_images, packed
 from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
+from fused_vision.graphs import bucket_lengths
 
 from .conftest import SMOKE, image_ids, sync_debug_mode
 from gemma4_towers import ACCURACY_FLOOR, alone, modeling, randomize
@@ -191,7 +192,7 @@ def test_the_graphed_encoder_replays_other_items_as_its_layout_runs_eagerly(enco
         counts = packed.count_items(ids, 3, 10240)
         bucket = graphed._captured[rows, torch.float32]
         total = sum(counts.real)
-        eager = graphed._run(bucket, (*counts.real, rows - total))[:total]
+        eager = graphed._run(bucket, bucket_lengths(counts.real, rows, graphed.max_items))[:total]
         real = [~(i == -1).all(-1) for i in ids]
         expected = packed.pooled_items(tower, eager, real, ids, counts, True)
         packed_call = packed.encode(tower, pixels, ids, True, counts, "auto" if encoder == "fused" else None)
