@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from fused_vision import _dispatch
-from fused_vision.attention import Packing
 from fused_vision.encoder import varlen
+from fused_vision.encoder.attention import Packing
 
 from helpers import assert_bit_identical
 

@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-import fused_vision.vllm as fv
-from fused_vision import apply_fused_vision_to_gemma4, attention, encode_images, patching, revert_fused_vision_gemma4
+import fused_vision.integrations.vllm as fv
+from fused_vision import apply_fused_vision_to_gemma4, encode_images, patching, revert_fused_vision_gemma4
+from fused_vision.encoder import attention
 
 from gemma4_towers import FP32_CLOSE, GRIDS, SEQ_LEN, make_inputs, run_tower, tower_of
 from helpers import DEVICE, MEETING_TIMEOUT_S, assert_bit_identical, assert_close, reverting_to_stock, run_together

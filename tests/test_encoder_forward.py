@@ -9,10 +9,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fused_vision.fused_layer as fl
-from fused_vision import apply_fused_vision_to_gemma4, attention, revert_fused_vision_gemma4
-from fused_vision.attention import Packing
-from fused_vision.encoder import padded, varlen
+import fused_vision.encoder.fused_layer as fl
+from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
+from fused_vision.encoder import attention, padded, varlen
+from fused_vision.encoder.attention import Packing
 
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE, GRIDS, KINDS, SEQ_LEN, make_inputs, tower_of
 from helpers import (

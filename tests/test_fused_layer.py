@@ -1,4 +1,4 @@
-"""The fused encoder layer (fused_vision.fused_layer, ``encoder="fused"``) against transformers' own tower.
+"""The fused encoder layer (fused_vision.encoder.fused_layer, ``encoder="fused"``) against transformers' own tower.
 
 Every item is judged against stock run on that item alone, and against a float64 twin: fp32 within 1e-5
 of stock, each dtype no less accurate than stock (1.5x slack, a floor of the dtype's rounding). Towers at
@@ -14,7 +14,8 @@ from torch import nn
 import fused_vision.kernels.gelu_gate
 import fused_vision.kernels.qkv_norm_rope
 import fused_vision.kernels.residual_rms_norm
-from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, packed, revert_fused_vision_gemma4
+from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
+from fused_vision.encoder import packed
 
 from gemma4_towers import (
     FP32_CLOSE,

@@ -1,4 +1,4 @@
-"""fused_vision.gemma4 against transformers' own Gemma 4 vision tower, on tiny random configs.
+"""fused_vision.integrations.transformers against transformers' own Gemma 4 vision tower, on tiny random configs.
 
 Runs against whichever transformers is importable: the newest (F.embedding era, 5.10+) in the test
 environment, and transformers 5.5-5.9 (one-hot era) in `.ci/run`'s second run of this file with
@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-import fused_vision.gemma4 as fg
 import fused_vision.integrations.stem as stem
+import fused_vision.integrations.transformers as fg
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from fused_vision._environment import flag
 from fused_vision.ops.position_embeddings import position_embeddings as fused_position_embeddings

@@ -7,8 +7,8 @@ transformers 5.9 too).
 import pytest
 import torch
 
-import fused_vision.gemma4 as fg
 import fused_vision.integrations.stem as stem
+import fused_vision.integrations.transformers as fg
 from fused_vision import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 
 from gemma4_towers import (

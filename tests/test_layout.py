@@ -1,7 +1,6 @@
-"""The package's layout: the module paths from before encoder/ and integrations/ still name the same module
-objects (a test or a user that patches an attribute through one changes what runs), the plugins' entry
-points name modules that exist, and no module of fused_vision imports itself back, as it loads or later
-(an import inside a function closes a cycle too, only later)."""
+"""The package's layout: the plugins' entry points name modules that exist and load first, and no module of
+fused_vision imports itself back, as it loads or later (an import inside a function closes a cycle too,
+only later)."""
 
 import ast
 import importlib
@@ -16,37 +15,11 @@ import fused_vision
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(fused_vision.__file__).parent
 
-MOVED = {
-    "fused_vision.attention": "fused_vision.encoder.attention",
-    "fused_vision.fused_layer": "fused_vision.encoder.fused_layer",
-    "fused_vision.gemma4": "fused_vision.integrations.transformers",
-    "fused_vision.linears": "fused_vision.encoder.linears",
-    "fused_vision.packed": "fused_vision.encoder.packed",
-    "fused_vision.integrations.patching": "fused_vision.patching",
-    "fused_vision.sglang": "fused_vision.integrations.sglang",
-    "fused_vision.sglang_packed": "fused_vision.integrations.sglang",
-    "fused_vision.vllm": "fused_vision.integrations.vllm",
-}
 
-
-@pytest.mark.parametrize("old, new", MOVED.items(), ids=list(MOVED))
-def test_an_old_module_path_is_the_moved_module(old, new):
-    moved = importlib.import_module(new)
-    assert importlib.import_module(old) is moved
-    assert getattr(fused_vision, old.rpartition(".")[2]) is moved  # `from fused_vision import gemma4`
-
-
-def test_the_old_encoder_module_path_names_its_forward():
-    from fused_vision.encoder import encoder_forward, packs
-    from fused_vision.encoder.padded import packs as moved_packs
-    from fused_vision.integrations.encoder import encoder_forward as moved_forward
-
-    assert (encoder_forward, packs) == (moved_forward, moved_packs)
-
-
-def test_old_paths_import_first_in_a_fresh_process(tmp_path):
-    """As an older install's entry point loads them: before anything else of fused_vision."""
-    probe = "from fused_vision.vllm import vllm_plugin\nfrom fused_vision.sglang_packed import encoder_target\n"
+def test_the_plugins_import_first_in_a_fresh_process():
+    """As an engine's entry point loads them: before anything else of fused_vision."""
+    probe = "from fused_vision.integrations.vllm import vllm_plugin\n"
+    probe += "from fused_vision.integrations.sglang import sglang_plugin\n"
     result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
 

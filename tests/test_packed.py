@@ -1,4 +1,4 @@
-"""The packed encoder (fused_vision.packed) against transformers' own Gemma 4 vision tower, item by item.
+"""The packed encoder (fused_vision.encoder.packed) against transformers' own Gemma 4 vision tower, item by item.
 
 Runs against whichever transformers is importable; `.ci/run` runs it again on transformers 5.9 (the
 one-hot era). Towers at both real head sizes, tiny otherwise: E2B/E4B-like (clipped linears, head_dim 64)
@@ -12,10 +12,11 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import fused_vision.encoder.packed as fp
 import fused_vision.encoding as fe
-import fused_vision.packed as fp
 import fused_vision.planner as planner
-from fused_vision import _dispatch, apply_fused_vision_to_gemma4, attention, encode_images, revert_fused_vision_gemma4
+from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
+from fused_vision.encoder import attention
 from fused_vision.integrations import transformers as transformers_integration
 
 from gemma4_towers import (

@@ -1,5 +1,5 @@
-"""fused_vision.patching, once, on stand-in modules: the machinery that fused_vision.gemma4 and
-fused_vision.sglang are built on, with none of their numerics in the way.
+"""fused_vision.patching, once, on stand-in modules: the machinery that fused_vision.integrations.transformers and
+fused_vision.integrations.sglang are built on, with none of their numerics in the way.
 
 ``Scale`` and ``Bare`` play the model's classes; ``fused_forward`` plays an integration's method: it reads
 the module's state and runs stock code when that is None, and adds the state's offset otherwise, so every

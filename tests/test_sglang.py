@@ -1,4 +1,4 @@
-"""fused_vision.sglang against SGLang's own Gemma 4 embedder and poolers, from its installed package, and
+"""fused_vision.integrations.sglang against SGLang's own Gemma 4 embedder and poolers, from its installed package, and
 the plugin that SGLang's loader runs. The whole encoder: tests/test_sglang_encoder.py.
 """
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
+import fused_vision.integrations.sglang as fs
 import fused_vision.integrations.stem as stem
-import fused_vision.sglang as fs
 from fused_vision import _releases
-from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+from fused_vision.integrations.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 
 from helpers import (
     DEVICE,
@@ -265,7 +265,7 @@ LOADER_PROBE = """
 import json
 from sglang.srt.plugins import load_plugins
 load_plugins()
-import fused_vision.sglang as fs
+import fused_vision.integrations.sglang as fs
 from fused_vision import patching
 from fused_vision.integrations import stem
 from sglang.srt.models import embedding_gemma2, gemma4_vision

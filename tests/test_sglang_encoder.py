@@ -1,4 +1,4 @@
-"""fused_vision.sglang inside SGLang's own ``Gemma4VisionEncoder``, built as its model builds it: its
+"""fused_vision.integrations.sglang inside SGLang's own ``Gemma4VisionEncoder``, built as its model builds it: its
 tensor-parallel layers at world size 1 and the attention backend SGLang picks on a CPU (SDPA).
 
 Also what SGLang's attention does with padding patches, which the patch does not touch: the backends
@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import fused_vision.sglang as fs
-from fused_vision.gemma4 import apply_fused_vision_to_gemma4
-from fused_vision.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+import fused_vision.integrations.sglang as fs
+from fused_vision.integrations.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
+from fused_vision.integrations.transformers import apply_fused_vision_to_gemma4
 
 from helpers import (
     assert_as_accurate_as_stock,

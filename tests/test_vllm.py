@@ -1,4 +1,4 @@
-"""fused_vision.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
+"""fused_vision.integrations.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
 
 The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own
 (tests/vllm_models.py; `bash .ci/run tests_vllm` builds one for both releases) and skips without it.
@@ -13,9 +13,9 @@ import warnings
 import pytest
 import torch
 
-import fused_vision.gemma4 as fg
 import fused_vision.integrations.stem as stem
-import fused_vision.vllm as fv
+import fused_vision.integrations.transformers as fg
+import fused_vision.integrations.vllm as fv
 from fused_vision import (
     apply_fused_vision_to_gemma4,
     apply_fused_vision_to_vllm_gemma4,
@@ -124,7 +124,7 @@ def test_the_plugin_warns_and_never_raises(monkeypatch, caplog):
 
 @pytest.mark.parametrize("choice, encoder", [(None, None), ("", None), ("packed", "packed"), ("fused", "fused")])
 def test_the_plugin_patches_the_encoder_it_is_told_to(monkeypatch, caplog, choice, encoder):
-    from fused_vision.encoder import encoder_forward
+    from fused_vision.integrations.encoder import encoder_forward
 
     monkeypatch.setenv(fv.ENV_VLLM, "1")
     if choice is None:

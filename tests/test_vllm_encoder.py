@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import fused_vision.fused_layer as fl
-import fused_vision.vllm as fv
+import fused_vision.encoder.fused_layer as fl
+import fused_vision.integrations.vllm as fv
 from fused_vision import (
     apply_fused_vision_to_gemma4,
     apply_fused_vision_to_vllm_gemma4,

@@ -11,7 +11,7 @@ import importlib
 import pytest
 import torch
 
-import fused_vision.vllm as fv
+import fused_vision.integrations.vllm as fv
 
 from gemma4_towers import gemma4_config, randomize, vision_config
 from helpers import dtype_id

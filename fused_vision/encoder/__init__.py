@@ -4,7 +4,3 @@
 ``linears`` (its fused layers), ``padded`` (the layers on the padded batch engines hand the encoder).
 The forwards patched into transformers' classes are ``fused_vision.integrations.encoder``'s.
 """
-
-from .padded import packs
-
-__all__ = ["packs"]

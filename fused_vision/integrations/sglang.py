@@ -52,7 +52,7 @@ def _sglang_vision():
         return importlib.import_module(SGLANG_MODULE)
     except ImportError as exc:
         raise ImportError(
-            f"fused_vision.sglang needs SGLang with Gemma 4 ({SGLANG_MODULE}, SGLang 0.5.x): {exc}"
+            f"fused_vision.integrations.sglang needs SGLang with Gemma 4 ({SGLANG_MODULE}, SGLang 0.5.x): {exc}"
         ) from exc
 
 

@@ -156,7 +156,7 @@ def _model_class() -> type:
     try:
         module = importlib.import_module(VLLM_MODULE)
     except ImportError as exc:
-        raise ImportError(f"fused_vision.vllm needs vLLM with Gemma 4 ({VLLM_MODULE}): {exc}") from exc
+        raise ImportError(f"fused_vision.integrations.vllm needs vLLM with Gemma 4 ({VLLM_MODULE}): {exc}") from exc
     if not isinstance(getattr(module, "Gemma4ForConditionalGeneration", None), type):
         raise ImportError(f"{VLLM_MODULE} has no Gemma4ForConditionalGeneration")
     return module.Gemma4ForConditionalGeneration

@@ -8,8 +8,7 @@ skipped, saying why, where not; both real head sizes (64: E2B/E4B, 72: 26B/31B),
 import pytest
 import torch
 
-from fused_vision import attention
-from fused_vision.encoder import varlen
+from fused_vision.encoder import attention, varlen
 
 pytestmark = pytest.mark.gpu
 
