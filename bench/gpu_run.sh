@@ -70,7 +70,7 @@ dry=${GPU_RUN_DRY:-0}
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
 kernel_tests=(tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
   tests/ops/test_patch_embed.py tests/ops/test_residual_rms_norm.py tests/ops/test_gelu_gate.py
-  tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/test_fused_layer.py)
+  tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/encoder/test_fused_layer.py)
 gpu_tests_args=()
 if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is

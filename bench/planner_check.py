@@ -1,4 +1,4 @@
-"""Check fused_vision.planner's memory model against real forwards of Gemma 4's vision tower.
+"""Check fused_vision.pipeline.planner's memory model against real forwards of Gemma 4's vision tower.
 
 Builds the 26B/31B vision tower from its config with random weights (nothing is downloaded), runs
 forwards for images (280 soft tokens, 2520 patches) and video frames (70 soft tokens, 630 patches)
@@ -34,8 +34,8 @@ from transformers.models.gemma4 import Gemma4VisionConfig, Gemma4VisionModel
 from fused_vision.bench.measure import LiveTensorBytes
 from fused_vision.bench.tower import VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
-from fused_vision.encoding import planner_path
-from fused_vision.planner import transient_bytes_per_item
+from fused_vision.pipeline.encoding import planner_path
+from fused_vision.pipeline.planner import transient_bytes_per_item
 
 TOLERANCE = 0.25  # the prediction may exceed the measured peak by at most this fraction
 

@@ -4,8 +4,6 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from . import _checkout  # noqa: F401  (from a source tree, makes fused_vision.kernels the checkout's kernels/)
-from .encoding import encode_images
-from .graphs import GraphedEncoder
 from .integrations.sglang import apply_fused_vision_to_sglang_gemma4, revert_fused_vision_sglang_gemma4
 from .integrations.transformers import apply_fused_vision_to_gemma4, revert_fused_vision_gemma4
 from .integrations.vllm import apply_fused_vision_to_vllm_gemma4, revert_fused_vision_vllm_gemma4
@@ -16,6 +14,8 @@ from .ops.pool_by_positions import pool_by_positions
 from .ops.position_embeddings import position_embeddings
 from .ops.qkv_norm_rope import qkv_norm_rope
 from .ops.residual_rms_norm import residual_rms_norm
+from .pipeline.encoding import encode_images
+from .pipeline.graphs import GraphedEncoder
 
 try:
     __version__ = _version("fused-vision")

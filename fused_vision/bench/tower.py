@@ -236,7 +236,7 @@ def encode_on_emulated_card(model, pixels, ids, chunk: int, device: torch.device
 
 def planned_chunk(path: str, case: Case, vision_config) -> int:
     """Items per tower call on the emulated card: vLLM's rule for the one-hot, fused_vision's plan otherwise."""
-    from fused_vision.planner import encoder_chunk, plan
+    from fused_vision.pipeline.planner import encoder_chunk, plan
 
     if path == "onehot":  # vLLM prices an item at 4 * N * P int64: the one-hot's (N, 2, P), twice over
         return encoder_chunk(case.patches_per_item, EMULATED_FREE_BYTES, EMULATED_TOTAL_BYTES, POSITION_EMBEDDING_SIZE)
@@ -281,9 +281,9 @@ def run_low_memory(session) -> None:
     if session.out_of_time():
         return skip_all(LOW_MEMORY_PATHS, session.time_budget_reason())
     try:
-        import fused_vision.planner  # noqa: F401
+        import fused_vision.pipeline.planner  # noqa: F401
     except ImportError as exc:
-        return skip_all(LOW_MEMORY_PATHS, f"fused_vision.planner is not available ({exc})")
+        return skip_all(LOW_MEMORY_PATHS, f"fused_vision.pipeline.planner is not available ({exc})")
     session.log(
         f"low_memory: {LOW_MEMORY_TOWER} on an emulated {EMULATED_TOTAL_BYTES / GiB:.0f} GiB card "
         f"with {EMULATED_FREE_BYTES / GiB:.0f} GiB free"

@@ -91,7 +91,7 @@ def _pooler_forward(self, hidden_states, patch_positions, padding_positions, out
     (ids clamped to (0, 0)) pool into slot 0 unless the module masks them first (``mask_pad_before_pool``,
     which SGLang's ``gemma4_mm`` leaves False). Unlike stock, each patch weighs exactly 1/k^2, as in
     transformers' pooler: stock's matmul weighs it by 1/k^2 rounded to the hidden dtype (in bf16, 1/9
-    comes out 0.2 % too large), so in bf16 and fp16 the two lie within 2 ulps (tests/test_sglang.py).
+    comes out 0.2 % too large), so in bf16 and fp16 the two lie within 2 ulps (tests/integrations/test_sglang.py).
     """
     inputs = (hidden_states, patch_positions, padding_positions, output_length)
     mask_first = getattr(self, "mask_pad_before_pool", None)

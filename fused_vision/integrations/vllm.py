@@ -4,7 +4,7 @@
 
 vLLM builds transformers' own tower, which transformers' class patch fuses
 (``fused_vision.integrations.transformers``). Patched here, vLLM's model sizes the tower's chunks by
-``fused_vision.planner.plan`` rather than by the one-hot's price, runs an encoding call again at half the
+``fused_vision.pipeline.planner.plan`` rather than by the one-hot's price, runs an encoding call again at half the
 chunk when it runs out of memory, and (``encoder=``, ``FUSED_VISION_VLLM_ENCODER``) packs the encoder
 (``fused_vision.encoder.padded``). Details: docs/vllm.md.
 """
@@ -21,10 +21,11 @@ import sys
 import torch
 from torch import nn
 
-from .. import encoding, patching, planner
-from .._chunks import HalvingChunks
+from .. import patching
 from .._dispatch import warn_once
 from .._environment import choice, flag
+from ..pipeline import encoding, planner
+from ..pipeline._chunks import HalvingChunks
 from .transformers import ENCODERS, apply_fused_vision_to_gemma4
 
 __all__ = [
@@ -168,7 +169,7 @@ def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
 
     For every model vLLM builds, built already or later:
 
-    - ``_encoder_chunk`` called through the model returns ``fused_vision.planner.plan``'s chunk for its
+    - ``_encoder_chunk`` called through the model returns ``fused_vision.pipeline.planner.plan``'s chunk for its
       tower's config, vLLM's model dtype and the tower's attention, within vLLM's own budget
       ``min(free // 2, total // 10)``. It prices the path that runs: the one-hot where a 5.5-5.9
       embedder runs stock code, the tower's activations otherwise. Called through the class (vLLM's

@@ -12,7 +12,7 @@ import torch
 from fused_vision import GraphedEncoder, apply_fused_vision_to_gemma4, encode_images
 from fused_vision.bench.tower import TINY_TOWER, VISION_TOWERS
 from fused_vision.encoder import packed
-from fused_vision.graphs import bucket_lengths
+from fused_vision.pipeline.graphs import bucket_lengths
 
 from .conftest import SMOKE, image_ids, sync_debug_mode
 from gemma4_towers import ACCURACY_FLOOR, alone, modeling, randomize

@@ -1,5 +1,5 @@
 """vLLM's own Gemma 4 model, built by vLLM from tiny random configs on the CPU, and inputs as its processors
-hand them, for tests/test_vllm*.py.
+hand them, for tests/integrations/test_vllm*.py.
 
 They need vLLM in an environment of its own (it brings its torch and transformers: `bash .ci/run
 tests_vllm` builds one and moves it from 0.33.0 to 0.34.0) and skip without it. Nothing is downloaded:

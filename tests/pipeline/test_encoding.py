@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
-import fused_vision.encoding as fe
-import fused_vision.planner as planner
+import fused_vision.pipeline.encoding as fe
+import fused_vision.pipeline.planner as planner
 from fused_vision import apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
-from fused_vision._inputs import resolve_tower
+from fused_vision.pipeline._inputs import resolve_tower
 
 from gemma4_towers import (
     FP32_CLOSE,
@@ -45,7 +45,7 @@ stock_after_each_test = reverting_to_stock(revert_fused_vision_gemma4)
 
 @pytest.fixture
 def planner_calls(monkeypatch):
-    """Stand-in for fused_vision.planner.plan: 3 items per call, recording what it was asked."""
+    """Stand-in for fused_vision.pipeline.planner.plan: 3 items per call, recording what it was asked."""
     calls = []
 
     def plan(num_items, patches_per_item, tower, path, device, dtype, input_bytes_per_item):

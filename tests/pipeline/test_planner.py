@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from fused_vision import planner
-from fused_vision.planner import encoder_chunk, plan, transient_bytes_per_item
+from fused_vision.pipeline import planner
+from fused_vision.pipeline.planner import encoder_chunk, plan, transient_bytes_per_item
 
 from real_towers import FRAME, IMAGE, TOWER_26B_31B, TOWER_E2B_E4B, GiB, MiB, P
 

@@ -5,8 +5,8 @@ import os
 import pytest
 import torch
 
-from fused_vision import _memory
-from fused_vision.planner import device_memory, plan, transient_bytes_per_item
+from fused_vision.pipeline import _memory
+from fused_vision.pipeline.planner import device_memory, plan, transient_bytes_per_item
 
 from real_towers import FRAME, IMAGE, TOWER_26B_31B, GiB, MiB
 

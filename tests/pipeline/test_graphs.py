@@ -8,7 +8,7 @@ import torch
 
 from fused_vision import GraphedEncoder, _dispatch, apply_fused_vision_to_gemma4, encode_images
 from fused_vision.encoder.packed import count_items
-from fused_vision.graphs import bucket_lengths, bucket_offsets
+from fused_vision.pipeline.graphs import bucket_lengths, bucket_offsets
 
 from gemma4_towers import (
     GRIDS,

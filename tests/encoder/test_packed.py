@@ -13,8 +13,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fused_vision.encoder.packed as fp
-import fused_vision.encoding as fe
-import fused_vision.planner as planner
+import fused_vision.pipeline.encoding as fe
+import fused_vision.pipeline.planner as planner
 from fused_vision import _dispatch, apply_fused_vision_to_gemma4, encode_images, revert_fused_vision_gemma4
 from fused_vision.encoder import attention
 from fused_vision.integrations import transformers as transformers_integration

@@ -16,16 +16,16 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from .._dispatch import warn_once
+from .._validation import positive_int
+from ..encoder import packed
+from ..encoder.attention import configured_attention
+from ..integrations import transformers
+from ..integrations.encoder import fused_backend
+from ..integrations.stem import embedder_runs_stock
 from . import planner
 from ._chunks import HalvingChunks
-from ._dispatch import warn_once
 from ._inputs import Items, item_counts, resolve_tower, split_items
-from ._validation import positive_int
-from .encoder import packed
-from .encoder.attention import configured_attention
-from .integrations import transformers
-from .integrations.encoder import fused_backend
-from .integrations.stem import embedder_runs_stock
 
 __all__ = ["encode_images"]
 

@@ -1,5 +1,5 @@
 """fused_vision.integrations.sglang against SGLang's own Gemma 4 embedder and poolers, from its installed package, and
-the plugin that SGLang's loader runs. The whole encoder: tests/test_sglang_encoder.py.
+the plugin that SGLang's loader runs. The whole encoder: tests/integrations/test_sglang_encoder.py.
 """
 
 import importlib.abc

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .encoder import packed
+from ..encoder import packed
 
 _TOWER_SUBMODULES = ("patch_embedder", "encoder", "pooler")
 # Where the tower sits in the models that build one (Gemma4ForConditionalGeneration, Gemma4Model,

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ._dispatch import warn_once
+from .._dispatch import warn_once
+from .._validation import positive_int
+from ..encoder import fused_layer, varlen
+from ..encoder.attention import Packing
+from ..encoder.packed import ItemCounts, check_attention, encoded_rows, pack_items, pooled_items
+from ..integrations.encoder import fused_backend
+from ..integrations.transformers import pooler_returns_float32
 from ._inputs import Items, item_counts, resolve_tower, split_items
-from ._validation import positive_int
-from .encoder import fused_layer, varlen
-from .encoder.attention import Packing
-from .encoder.packed import ItemCounts, check_attention, encoded_rows, pack_items, pooled_items
-from .integrations.encoder import fused_backend
-from .integrations.transformers import pooler_returns_float32
 
 # The paths whose kernels read the items from the offsets on the device, not from host lengths.
 GRAPH_PATHS = ("flash_attn_3", "flash_attn_4", "vllm_flash_attn", "flash_attn", "torch_varlen", "cudnn")

@@ -1,7 +1,7 @@
 """fused_vision.integrations.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
 
 The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own
-(tests/vllm_models.py; `bash .ci/run tests_vllm` builds one for both releases) and skips without it.
+(tests/integrations/vllm_models.py; `bash .ci/run tests_vllm` builds one for both releases) and skips without it.
 """
 
 import importlib
@@ -19,12 +19,12 @@ import fused_vision.integrations.vllm as fv
 from fused_vision import (
     apply_fused_vision_to_gemma4,
     apply_fused_vision_to_vllm_gemma4,
-    planner,
     revert_fused_vision_gemma4,
     revert_fused_vision_vllm_gemma4,
 )
 from fused_vision.bench.tower import LOW_MEMORY_TOWER, VISION_TOWERS
 from fused_vision.bench.workloads import PATCH_SIZE, POOLING_KERNEL, POSITION_EMBEDDING_SIZE
+from fused_vision.pipeline import planner
 
 from gemma4_towers import modeling, out_of_memory_above
 from helpers import assert_bit_identical, assert_close, reverting_to_stock

@@ -1,7 +1,7 @@
 """fused_vision's patched tower on the batches stock broadcasts: inputs of one item beside three.
 
-Runs against whichever transformers is importable, as tests/test_gemma4.py does (CI runs both files on
-transformers 5.9 too).
+Runs against whichever transformers is importable, as test_transformers.py beside it does (CI runs both
+files on transformers 5.9 too).
 """
 
 import pytest

@@ -2,7 +2,7 @@
 
 vLLM calls the tower's encoder itself on padded batches, with its own ``ReplicatedLinear``s in the layers.
 Each path is judged against vLLM's stock run of the same model: fp32 within 1e-5, bf16 no worse than 1.5x
-stock's error against a float64 twin; counters prove what ran. Skips without vLLM (tests/vllm_models.py).
+stock's error against a float64 twin; counters prove what ran. Skips without vLLM (tests/integrations/vllm_models.py).
 """
 
 import sys
@@ -16,12 +16,11 @@ import fused_vision.integrations.vllm as fv
 from fused_vision import (
     apply_fused_vision_to_gemma4,
     apply_fused_vision_to_vllm_gemma4,
-    attention,
-    planner,
     revert_fused_vision_gemma4,
     revert_fused_vision_vllm_gemma4,
 )
-from fused_vision.encoder import mlp
+from fused_vision.encoder import attention, mlp
+from fused_vision.pipeline import planner
 
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE
 from helpers import assert_as_accurate_as_stock, assert_bit_identical, assert_close, fallbacks_fail, reverting_to_stock

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from fused_vision.planner import transient_bytes_per_item
+from fused_vision.pipeline.planner import transient_bytes_per_item
 
 from real_towers import IMAGE, P
 

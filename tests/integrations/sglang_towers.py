@@ -1,4 +1,4 @@
-"""SGLang's own Gemma 4 vision tower (its installed package), tiny and random, for tests/test_sglang*.py.
+"""SGLang's own Gemma 4 vision tower (its installed package), tiny and random, for tests/integrations/test_sglang*.py.
 
 SGLang wants an environment of its own (sglang 0.5.23 brings torch 2.14.1 and transformers 5.19.0), so
 `bash .ci/run tests_sglang` builds one; elsewhere the modules that import this one skip.
