@@ -19,13 +19,7 @@ input clamps run before the GEMM, which stays one GEMM where q, k and v (gate an
 becomes one per projection otherwise. With ``FUSED_VISION_GATE_UP_EPILOGUE=1`` the gate/up GEMM and
 ``gelu_gate`` are one kernel, ``gate_up_gelu`` (``fused_vision.encoder.mlp``).
 
-The concatenated weights are shared, not copied: the first fused forward (or ``apply_…(model,
-encoder="fused")``) moves q/k/v's (gate/up's) weights into one tensor whose row blocks the parameters
-then view, the same ``nn.Parameter`` objects. A weight later replaced or moved (``.to``, a load with
-``assign=True``) is concatenated again at the next forward, never as an inference tensor (a forward under
-``inference_mode`` leaves the parameters trainable). Where autograd needs the weights' gradients
-the GEMM reads ``torch.cat`` of the parameters instead, so training and LoRA on other modules see
-stock's gradients; under torch.compile too, as compiled graphs cannot rely on storage checks.
+The concatenated weights are shared with the parameters, not copied (``joined_weights``).
 
 A layer that cannot run fused (``blocker``) runs its own stock code on the same rows, with their
 attention, and one warning naming why. A layer transformers checkpoints runs fused through its own
@@ -36,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -50,6 +43,7 @@ from ..ops.gelu_gate import gelu_gate
 from ..ops.qkv_norm_rope import qkv_norm_rope
 from ..ops.residual_rms_norm import residual_rms_norm
 from . import linears
+from .joined_weights import gemm_weight, group_modules, share_weights
 from .mlp import gate_up_epilogue, mlp_block_rows
 
 __all__ = [
@@ -58,22 +52,15 @@ __all__ = [
     "modeling_of",
     "records_outputs",
     "prepare",
-    "release",
     "run_layers",
-    "share_weights",
-    "unshare_weights",
 ]
 
-# The concatenated projections: (the layer's submodule, its clipped linears in the GEMM's column order)
-_GROUPS = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
 _LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _LINEARS += ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _NORMS = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
 _NORMS += ("self_attn.q_norm", "self_attn.k_norm", "self_attn.v_norm")
-_SHARED = "_fused_vision_weights"  # the layer's {group: concatenated weight}, a plain attribute
 _ACTIVATION = "gelu_pytorch_tanh"
 _CLAMPS_ALIKE = "_fused_vision_clamps_alike"  # the layer's {group: (its bounds' key, alike)}, a plain attribute
-_SHARING: weakref.WeakSet = weakref.WeakSet()  # the layers whose parameters view concatenated weights
 
 
 def modeling_of(module: nn.Module):
@@ -159,69 +146,6 @@ def may_read_on_host(tensor: torch.Tensor) -> bool:
 # ---- the concatenated weights ------------------------------------------------------------------------
 
 
-def _group(layer: nn.Module, group: str) -> list[nn.Module]:
-    parent, names = _GROUPS[group]
-    return [getattr(getattr(layer, parent), name) for name in names]
-
-
-def _views_of(base: torch.Tensor | None, weights: list[torch.Tensor]) -> bool:
-    """Whether ``weights`` are still the consecutive row blocks of ``base``."""
-    if base is None or base.dtype != weights[0].dtype or base.device != weights[0].device or base.is_inference():
-        return False
-    row = 0
-    for weight in weights:
-        if weight.dim() != 2 or weight.shape[1] != base.shape[1] or not weight.is_contiguous():
-            return False
-        if weight.data_ptr() != base[row].data_ptr():
-            return False
-        row += weight.shape[0]
-    return row == base.shape[0]
-
-
-def share_weights(layer: nn.Module) -> dict[str, torch.Tensor]:
-    """The layer's concatenated q/k/v and gate/up weights, whose row blocks its parameters view; made (or
-    made again, where a weight was replaced or moved) here. The parameters stay the same objects."""
-    shared = layer.__dict__.setdefault(_SHARED, {})
-    for group in _GROUPS:
-        modules = [clipped.linear for clipped in _group(layer, group)]
-        if not all(linears.computes_linear(module) for module in modules):
-            continue  # each keeps its own GEMM
-        if _views_of(shared.get(group), [module.weight for module in modules]):
-            continue
-        # Never an inference tensor, even under inference_mode: parameters viewing one get no gradient later.
-        with torch.inference_mode(False), torch.no_grad():
-            base = torch.cat([module.weight for module in modules])
-            row = 0
-            for module in modules:
-                rows = module.weight.shape[0]
-                module.weight.data = base[row : row + rows]  # the same Parameter, its storage now base's
-                row += rows
-        shared[group] = base
-    _SHARING.add(layer)
-    return shared
-
-
-def unshare_weights(layer: nn.Module) -> bool:
-    """Give the parameters storage of their own again (a checkpoint writer may refuse shared storage)."""
-    shared = layer.__dict__.pop(_SHARED, None)
-    _SHARING.discard(layer)
-    if not shared:
-        return False
-    for group, base in shared.items():
-        for clipped in _group(layer, group):
-            weight = clipped.linear.weight
-            if weight.untyped_storage().data_ptr() == base.untyped_storage().data_ptr():
-                weight.data = weight.data.clone()
-    return True
-
-
-def _gemm_weight(layer: nn.Module, group: str) -> torch.Tensor:
-    weights = [clipped.linear.weight for clipped in _group(layer, group)]
-    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(w.requires_grad for w in weights)):
-        return torch.cat(weights)
-    return share_weights(layer)[group]
-
-
 def prepare(model: nn.Module) -> None:
     """Concatenate the weights of every layer in ``model`` that can run fused, ahead of the first forward."""
     for module in model.modules():
@@ -229,12 +153,6 @@ def prepare(model: nn.Module) -> None:
             weight = getattr(getattr(getattr(module.self_attn, "q_proj", None), "linear", None), "weight", None)
             if isinstance(weight, torch.Tensor) and blocker(module, weight) is None:
                 share_weights(module)
-
-
-def release(model: nn.Module | None) -> int:
-    """Unshare the weights of the layers in ``model`` (None: of every layer); returns how many."""
-    layers = list(_SHARING) if model is None else [m for m in model.modules() if m in _SHARING]
-    return sum(unshare_weights(layer) for layer in layers)
 
 
 # ---- the E2B/E4B clipped linears ---------------------------------------------------------------------
@@ -270,7 +188,7 @@ def _clamp_table(clipped: list[nn.Module], sides: list[str]) -> torch.Tensor | N
 def _one_gemm_input(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor | None:
     """y after the group's input clamp where one GEMM computes the group's projections (every weight can be
     read, the clamps alike or absent); None where each projection needs its own."""
-    clipped = _group(layer, group)
+    clipped = group_modules(layer, group)
     if not all(linears.reads_weight(m.linear, y) for m in clipped):
         return None
     if not clipped[0].use_clipped_linears:
@@ -284,8 +202,8 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
     """The group's projections of y side by side, each after its own input clamp: one GEMM where
     ``_one_gemm_input`` allows, one per projection otherwise."""
     if (x := _one_gemm_input(y, layer, group)) is not None:
-        return F.linear(x, _gemm_weight(layer, group))
-    clipped = _group(layer, group)
+        return F.linear(x, gemm_weight(layer, group))
+    clipped = group_modules(layer, group)
     inputs = (torch.clamp(y, m.input_min, m.input_max) if m.use_clipped_linears else y for m in clipped)
     return torch.cat([linears.project(m.linear, x) for m, x in zip(clipped, inputs)], dim=-1)
 
@@ -293,7 +211,7 @@ def _project(y: torch.Tensor, layer: nn.Module, group: str) -> torch.Tensor:
 def _gated(y: torch.Tensor, layer: nn.Module, clamps, backend) -> torch.Tensor:
     """``gelu_tanh(gate_proj(y)) * up_proj(y)``, the input of down_proj."""
     if gate_up_epilogue() and (x := _one_gemm_input(y, layer, "gate_up")) is not None:
-        return gate_up_gelu(x, _gemm_weight(layer, "gate_up"), clamps, backend=backend)
+        return gate_up_gelu(x, gemm_weight(layer, "gate_up"), clamps, backend=backend)
     return gelu_gate(_project(y, layer, "gate_up"), clamps, backend=backend)
 
 

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from .. import _releases, patching
-from ..encoder import fused_layer
+from ..encoder import joined_weights
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 from .encoder import encoder_forward, encoder_target
 from .stem import FusedOp, broadcast_rows, lookup_is_onehot, pooler_runs_fused, tower_targets
@@ -164,5 +164,5 @@ def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
     patched; returns the number of its modules that were running a fused op.
     """
     undone = patching.revert(model, _is_transformers_class)
-    fused_layer.release(model)  # the parameters own their storage again
+    joined_weights.release(model)  # the parameters own their storage again
     return undone

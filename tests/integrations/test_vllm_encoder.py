@@ -19,7 +19,7 @@ from fused_vision import (
     revert_fused_vision_gemma4,
     revert_fused_vision_vllm_gemma4,
 )
-from fused_vision.encoder import attention, mlp
+from fused_vision.encoder import attention, joined_weights, mlp
 from fused_vision.pipeline import planner
 
 from gemma4_towers import ACCURACY_FLOOR, FP32_CLOSE
@@ -227,7 +227,7 @@ def test_shared_weights_survive_vllms_weight_loading(tiny_model, memory, tmp_pat
     apply_fused_vision_to_vllm_gemma4(encoder="fused")
     embeddings(tiny_model, "_process_video_input", inputs)
     layer = tiny_model.vision_tower.encoder.layers[0]
-    shared = layer.__dict__[fl._SHARED]
+    shared = layer.__dict__[joined_weights._SHARED]
     assert set(shared) == {"qkv", "gate_up"}, "both GEMMs concatenated on vLLM's linears"
     generator = torch.Generator().manual_seed(25)
     fresh = {
@@ -237,16 +237,18 @@ def test_shared_weights_survive_vllms_weight_loading(tiny_model, memory, tmp_pat
     }
     loaded = tiny_model.load_weights((f"model.vision_tower.{name}", w) for name, w in fresh.items())
     assert {f"vision_tower.{name}" for name in fresh} <= loaded
-    assert fl._views_of(
+    assert joined_weights._views_of(
         shared["qkv"], [getattr(layer.self_attn, p).linear.weight for p in ("q_proj", "k_proj", "v_proj")]
     )
-    assert fl._views_of(shared["gate_up"], [getattr(layer.mlp, p).linear.weight for p in ("gate_proj", "up_proj")])
+    assert joined_weights._views_of(
+        shared["gate_up"], [getattr(layer.mlp, p).linear.weight for p in ("gate_proj", "up_proj")]
+    )
     q_weight = fresh["encoder.layers.0.self_attn.q_proj.linear.weight"]
     assert_bit_identical(shared["qkv"][: q_weight.shape[0]], q_weight, "the loaded q weight")
     got = embeddings(tiny_model, "_process_video_input", inputs)
     revert_fused_vision_vllm_gemma4()
     revert_fused_vision_gemma4()
-    assert not fl._SHARING, "the revert unshares"
+    assert not joined_weights._SHARING, "the revert unshares"
     expected = embeddings(tiny_model, "_process_video_input", inputs)
     assert_embeddings_match(got, expected, exact_embeddings(tiny_model, "_process_video_input", inputs, tmp_path))
 
