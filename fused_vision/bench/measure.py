@@ -11,16 +11,20 @@ predicted, from the last one, to end before it; at least one call is timed.
 import contextlib
 import gc
 import os
+import platform
 import sys
 import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from importlib.metadata import PackageNotFoundError, version
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
+
+import fused_vision
 
 QUANTILES = (0.5, 0.2, 0.8)
 MIN_HOST_REPS = 3  # enough calls for the 20% and 80% quantiles to mean something
@@ -293,3 +297,25 @@ def matmul_ceiling(device: torch.device, size: int, dtype: torch.dtype, budget: 
     b = torch.randn(size, size, device=device).to(dtype)
     times = time_call(lambda: a @ b, device, budget, min_reps=RELIABLE_CEILING_REPS)
     return Ceiling("matmul", f"{size}^3", times, bytes_moved=3 * size * size * a.element_size(), flops=2 * size**3)
+
+
+def environment(device: torch.device) -> dict[str, str]:
+    """What every row records of the run: the device and the versions that ran it."""
+
+    def installed(package: str) -> str:
+        try:
+            return version(package)
+        except PackageNotFoundError:
+            return ""
+
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+    else:
+        name = f"{device.type} {platform.machine()} ({torch.get_num_threads()} threads)"
+    return dict(
+        gpu=name,
+        torch=torch.__version__,
+        triton=installed("triton"),
+        transformers=installed("transformers"),
+        fused_vision=fused_vision.__version__,
+    )

@@ -12,19 +12,15 @@ duration predicts, so only a first call, whose length nothing predicts, can end 
 with a plain summary (``summary``).
 """
 
-import platform
 import signal
 import time
 import traceback
 from collections.abc import Callable
 from datetime import datetime, timezone
 from functools import partial
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
-
-import fused_vision
 
 from . import report
 from .encoder import Mix, bench_encoder
@@ -34,6 +30,7 @@ from .measure import (
     Peak,
     call_peak,
     copy_ceiling,
+    environment,
     matmul_ceiling,
     peak_memory,
     synchronize,
@@ -56,26 +53,6 @@ TRITON_PROVIDERS = ("fused", "fused_kernel")  # of the stem, layer and tower ops
 # do_bench's own defaults for the stem ops; a tower call takes 30-300 ms, so a second buys 3-30 timed calls.
 STEM_BUDGET, TOWER_BUDGET = Budget(warmup_ms=25, rep_ms=100), Budget(warmup_ms=1, rep_ms=1000)
 QUICK_STEM_BUDGET, QUICK_TOWER_BUDGET = Budget(warmup_ms=5, rep_ms=20), Budget(warmup_ms=1, rep_ms=100)
-
-
-def environment(device: torch.device) -> dict[str, str]:
-    def installed(package: str) -> str:
-        try:
-            return version(package)
-        except PackageNotFoundError:
-            return ""
-
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-    else:
-        name = f"{device.type} {platform.machine()} ({torch.get_num_threads()} threads)"
-    return dict(
-        gpu=name,
-        torch=torch.__version__,
-        triton=installed("triton"),
-        transformers=installed("transformers"),
-        fused_vision=fused_vision.__version__,
-    )
 
 
 def describe(exc: BaseException | str) -> str:
