@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from .._dispatch import DeviceLimits, device_limits
+from .._interpreter import hardware_arithmetic
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
@@ -24,14 +25,15 @@ _INTERPRETER_LOCK = threading.RLock()  # re-entrant: a launcher may call another
 
 
 def launcher(fn):
-    """``fn``, a kernel launcher, serialised by one lock while kernels run in Triton's interpreter; on a GPU,
-    where launches are thread-safe, called as it is, with no lock."""
+    """``fn``, a kernel launcher, serialised by one lock while kernels run in Triton's interpreter, which then
+    computes as the GPU does (``hardware_arithmetic``); on a GPU, where launches are thread-safe, called as
+    it is, with no lock."""
 
     @functools.wraps(fn)
     def serialised(*args, **kwargs):
         if not interpreting():
             return fn(*args, **kwargs)
-        with _INTERPRETER_LOCK:
+        with _INTERPRETER_LOCK, hardware_arithmetic():
             return fn(*args, **kwargs)
 
     return serialised
