@@ -199,7 +199,39 @@ _BUILDER = {
 
 
 # What the corrections use of the interpreter module besides its builder.
-_INTERNALS = ("interpreter_semantic", "TensorHandle", "_get_np_dtype")
+_INTERNALS = ("_patch_lang", "interpreter_semantic", "TensorHandle", "_get_np_dtype")
+
+
+class _Patched:
+    """A language patch already in place: nothing of its own to undo."""
+
+    @staticmethod
+    def restore():
+        pass
+
+
+def _patch_lang_once(patch_lang):
+    """Triton's ``_patch_lang``, which its interpreter repeats on every call of a jit helper, walking the
+    members of triton.language each time (most of an interpreted launch's time): done once per launch for
+    the language modules it has patched. The launch's own patch, undone at its end, starts it afresh."""
+    patched = set()
+
+    def once(fn):
+        langs = {id(value) for value in fn.__globals__.values() if value is tl or value is tl.core}
+        if langs and langs <= patched:
+            return _Patched
+        scope = patch_lang(fn)
+        patched.update(langs)
+        restore = scope.restore
+
+        def restore_and_forget():
+            patched.clear()
+            restore()
+
+        scope.restore = restore_and_forget
+        return scope
+
+    return once
 
 
 def _quiet(function):
@@ -250,6 +282,8 @@ def hardware_arithmetic():
     _check_known(interpreter)
     builder = interpreter.interpreter_builder
     stubs = {name: getattr(libdevice, name) for name in _LIBDEVICE}
+    patch_lang = interpreter._patch_lang
+    interpreter._patch_lang = _patch_lang_once(patch_lang)
     for name, replacement in _BUILDER.items():
         setattr(builder, name, _quiet(functools.partial(replacement, getattr(builder, name))))
     for name, function in _LIBDEVICE.items():
@@ -259,6 +293,7 @@ def hardware_arithmetic():
         yield
     finally:
         _depth = 0
+        interpreter._patch_lang = patch_lang
         for name in _BUILDER:
             delattr(builder, name)
         for name, stub in stubs.items():
