@@ -1,5 +1,5 @@
 """Helpers shared by the kernels: dtype mapping, interpreter detection, launch configs, autotuning per
-operand dtype, rounding to the storage dtype (identical on GPUs and under TRITON_INTERPRET=1)."""
+operand dtype, rounding to the storage dtype."""
 
 import functools
 import threading
@@ -15,9 +15,21 @@ TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloa
 
 
 def interpreting() -> bool:
-    """Whether kernels run in Triton's CPU interpreter (which has no bf16 dot and truncating casts):
-    TRITON_INTERPRET as Triton reads it (1, true, on or yes, in any case)."""
+    """Whether kernels run in Triton's CPU interpreter: TRITON_INTERPRET as Triton reads it (1, true, on or
+    yes, in any case)."""
     return triton.knobs.runtime.interpret
+
+
+def target_backend(device: torch.device) -> str:
+    """The vendor a launch on ``device`` compiles for, as Triton's active driver names it ("cuda", "hip").
+    Host and meta tensors (the interpreter's, and the build tools', which apply each target's own) take
+    NVIDIA's: AMD's variants differ only in calling libm where NVIDIA's call approximations."""
+    return "cuda" if device.type in ("cpu", "meta") else _driver_backend()
+
+
+@functools.cache
+def _driver_backend() -> str:
+    return triton.runtime.driver.active.get_current_target().backend
 
 
 # Triton's interpreter keeps global state while it runs a kernel: two threads inside it at once crash it.
@@ -111,66 +123,11 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
     return tuned, gpu_configs
 
 
-# Under the interpreter, whose fp32 -> bf16 cast truncates and whose bf16 arithmetic is broken, bf16 values
-# round with integer ops and narrow-dtype arithmetic runs in fp32; compiled, the hardware does both.
-INTERPRETED = tl.constexpr(interpreting())
-
-
-@triton.jit
-def round_to_bf16_by_integers(x):
-    """fp32 -> bf16 with round-to-nearest-even in integer ops, for the interpreter.
-
-    It matches the hardware cast bit for bit on every non-NaN input, overflow to +-inf included. NaN is
-    kept apart: rounding its payload would carry into the exponent or the sign, so it keeps its sign and
-    high payload and gets the quiet bit.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    quiet_nan = (bits >> 16) | 0x40
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000  # in integers: no float compare for a compiler to fold away
-    return tl.where(is_nan, quiet_nan, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-
-
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
-    """Round ``x`` to DTYPE to nearest even, as a PyTorch cast: on a GPU the hardware's cvt.rn, one
-    instruction per two values."""
-    if INTERPRETED and DTYPE == tl.bfloat16:
-        return round_to_bf16_by_integers(x.to(tl.float32))
-    else:
-        return x.to(DTYPE, fp_downcast_rounding="rtne")
-
-
-@triton.jit
-def add_rounded(a, b, DTYPE: tl.constexpr):
-    """round(a + b) for a and b in DTYPE, as stock's add: in fp32, rounded once. For two values of one
-    narrow dtype that is the correctly rounded sum (the fp32 sum is exact, or too far from a tie to move
-    it), which the GPU's own bf16/fp16 add computes in one instruction per two values."""
-    if INTERPRETED:
-        return round_to(a.to(tl.float32) + b.to(tl.float32), DTYPE)
-    else:
-        return a + b
-
-
-@triton.jit
-def sub_rounded(a, b, DTYPE: tl.constexpr):
-    """round(a - b), as ``add_rounded``: the interpreter cannot negate a bf16 tensor, so the difference
-    has its own helper."""
-    if INTERPRETED:
-        return round_to(a.to(tl.float32) - b.to(tl.float32), DTYPE)
-    else:
-        return a - b
-
-
-@triton.jit
-def mul_rounded(a, b, DTYPE: tl.constexpr):
-    """round(a * b) for a and b in DTYPE, as stock's product: in fp32, rounded once. For two bf16 or fp16
-    values the fp32 product is exact (8 + 8 or 11 + 11 significant bits) outside fp32's subnormal range, so
-    that is the GPU's correctly rounded bf16/fp16 multiply."""
-    if INTERPRETED:
-        return round_to(a.to(tl.float32) * b.to(tl.float32), DTYPE)
-    else:
-        return a * b
+    """Round ``x`` to DTYPE to nearest even, as a PyTorch cast: the hardware's cvt.rn, one instruction per
+    two values."""
+    return x.to(DTYPE, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -190,17 +147,10 @@ def clamp_bounds(clamps_ptr, row, DTYPE: tl.constexpr):
 
 @triton.jit
 def rms_inverse(sum_squares, SIZE: tl.constexpr, eps):
-    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over SIZE values.
-
-    Interpreted, torch's CPU order bit for bit: the mean as sum / size, the power correctly rounded. On a
-    GPU, as torch's CUDA pow(-0.5): the hardware's reciprocal square root (within 2 ulp of fp32) of the
-    sum times 1 / size (within 1 ulp of the quotient), a few instructions a row where the correctly
-    rounded pair costs dozens."""
-    if INTERPRETED:
-        size = tl.full(sum_squares.shape, SIZE, tl.float32)
-        return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_squares, size) + eps))
-    else:
-        return tl.rsqrt(sum_squares * (1.0 / SIZE) + eps)
+    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over SIZE values, as torch's
+    CUDA pow(-0.5): the hardware's reciprocal square root (within 2 ulp of fp32) of the sum times 1 / size
+    (within 1 ulp of the quotient), a few instructions a row where the correctly rounded pair costs dozens."""
+    return tl.rsqrt(sum_squares * (1.0 / SIZE) + eps)
 
 
 @triton.jit
