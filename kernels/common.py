@@ -106,8 +106,8 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
     ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free; on each device only
     those it has the shared memory and the architecture for (``configs``' rows).
 
-    Returns the autotuner and ``gpu_configs(dtype, limits=None)``, the candidates it offers for a dtype
-    on a device with those limits (every one for ``None``).
+    Returns the autotuner, tuning each key once (``TunedOnce``), and ``gpu_configs(dtype, limits=None)``, the
+    candidates it offers for a dtype on a device with those limits (every one for ``None``).
     """
 
     def gpu_configs(dtype: torch.dtype, limits: DeviceLimits | None = None) -> list[triton.Config]:
@@ -120,7 +120,40 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
 
     every = [config for config, _, _ in half + fp32]
     tuned = triton.autotune(configs=every, key=key, prune_configs_by={"early_config_prune": candidates})(kernel)
-    return tuned, gpu_configs
+    return TunedOnce(tuned), gpu_configs
+
+
+class TunedOnce:
+    """``autotuner``'s launches, each key tuned once under a lock, then launched with its best config
+    without the autotuner: Triton's keeps a call's arguments on itself while it prunes and times, so two
+    first calls at once (or a launch during another key's tuning) would prune against the other's None."""
+
+    def __init__(self, autotuner):
+        self.autotuner = autotuner
+        self._best: dict[tuple, triton.Config] = {}
+        self._tuning = threading.Lock()
+
+    def key(self, args: tuple, kwargs: dict) -> tuple:
+        """The autotuner's own cache key: its key arguments' values, then every tensor argument's dtype."""
+        named = {**dict(zip(self.autotuner.arg_names, args)), **kwargs}
+        named = {name: value for name, value in named.items() if name in self.autotuner.arg_names}
+        values = [named[name] for name in self.autotuner.keys if name in named]
+        return tuple(values + [str(value.dtype) for value in named.values() if hasattr(value, "dtype")])
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            key = self.key(args, kwargs)
+            config = self._best.get(key)
+            if config is None:
+                with self._tuning:
+                    config = self._best.get(key)
+                    if config is None:  # the first call of this key: tune it, and launch as the tuner does
+                        result = self.autotuner[grid](*args, **kwargs)
+                        self._best[key] = self.autotuner.best_config
+                        return result
+            return self.autotuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+
+        return launch
 
 
 @triton.jit

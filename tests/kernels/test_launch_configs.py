@@ -83,7 +83,7 @@ def test_pooler_gpu_tiles(poisoned, gpu_tiles, dtype):
 
 @pytest.mark.parametrize("dtype,config", candidates(patch_embed_kernels), ids=candidate_id)
 def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
-    tuned = _FixedConfig(patch_embed_kernels._patch_embed_tuned.fn, config)  # its heuristics, then the kernel
+    tuned = _FixedConfig(patch_embed_kernels._patch_embed_tuned.autotuner.fn, config)  # its heuristics, then the kernel
     monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", tuned)
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
@@ -96,7 +96,7 @@ def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, c
 def test_gate_up_gelu_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config, rows):
     """Each GPU tile on 200 columns of I (a shifted last column block) over D = 96 (K blocks of 32 or 64,
     one partial): bit-identical to cuBLAS's order where every sum is exact, as accurate as stock elsewhere."""
-    tuned = _FixedConfig(gate_up_gelu_kernels._gate_up_gelu_tuned.fn, config)
+    tuned = _FixedConfig(gate_up_gelu_kernels._gate_up_gelu_tuned.autotuner.fn, config)
     monkeypatch.setattr(gate_up_gelu_kernels, "_gate_up_gelu_tuned", tuned)
     generator = torch.Generator().manual_seed(rows)
     y = torch.randint(-1, 2, (rows, 96), generator=generator).to(dtype)
@@ -118,7 +118,7 @@ def test_autotuner_offers_the_candidates_of_the_dtype(module, tuner, pointer, dt
     if module is gate_up_gelu_kernels and dtype == torch.float32:
         assert module.gpu_configs(dtype) == [], "float32 is cuBLAS's and the gate kernel's: never tuned"
         return
-    tuner = getattr(module, tuner)
+    tuner = getattr(module, tuner).autotuner
     tuner.nargs = dict(zip(tuner.arg_names, [torch.empty(0)] * len(tuner.arg_names)))
     tuner.nargs[pointer] = torch.empty(0, dtype=dtype)
     try:
