@@ -1,5 +1,5 @@
 """Helpers shared by the kernels: dtype mapping, interpreter detection, launch configs, autotuning per
-operand dtype, rounding to the storage dtype (identical on GPUs and under TRITON_INTERPRET=1)."""
+operand dtype, rounding to the storage dtype."""
 
 import functools
 import threading
@@ -9,14 +9,27 @@ import triton
 import triton.language as tl
 
 from .._dispatch import DeviceLimits, device_limits
+from .._interpreter import hardware_arithmetic
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 def interpreting() -> bool:
-    """Whether kernels run in Triton's CPU interpreter (which has no bf16 dot and truncating casts):
-    TRITON_INTERPRET as Triton reads it (1, true, on or yes, in any case)."""
+    """Whether kernels run in Triton's CPU interpreter: TRITON_INTERPRET as Triton reads it (1, true, on or
+    yes, in any case)."""
     return triton.knobs.runtime.interpret
+
+
+def target_backend(device: torch.device) -> str:
+    """The vendor a launch on ``device`` compiles for, as Triton's active driver names it ("cuda", "hip").
+    Host and meta tensors (the interpreter's, and the build tools', which apply each target's own) take
+    NVIDIA's: AMD's variants differ only in calling libm where NVIDIA's call approximations."""
+    return "cuda" if device.type in ("cpu", "meta") else _driver_backend()
+
+
+@functools.cache
+def _driver_backend() -> str:
+    return triton.runtime.driver.active.get_current_target().backend
 
 
 # Triton's interpreter keeps global state while it runs a kernel: two threads inside it at once crash it.
@@ -24,14 +37,15 @@ _INTERPRETER_LOCK = threading.RLock()  # re-entrant: a launcher may call another
 
 
 def launcher(fn):
-    """``fn``, a kernel launcher, serialised by one lock while kernels run in Triton's interpreter; on a GPU,
-    where launches are thread-safe, called as it is, with no lock."""
+    """``fn``, a kernel launcher, serialised by one lock while kernels run in Triton's interpreter, which then
+    computes as the GPU does (``hardware_arithmetic``); on a GPU, where launches are thread-safe, called as
+    it is, with no lock."""
 
     @functools.wraps(fn)
     def serialised(*args, **kwargs):
         if not interpreting():
             return fn(*args, **kwargs)
-        with _INTERPRETER_LOCK:
+        with _INTERPRETER_LOCK, hardware_arithmetic():
             return fn(*args, **kwargs)
 
     return serialised
@@ -92,8 +106,8 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
     ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free; on each device only
     those it has the shared memory and the architecture for (``configs``' rows).
 
-    Returns the autotuner and ``gpu_configs(dtype, limits=None)``, the candidates it offers for a dtype
-    on a device with those limits (every one for ``None``).
+    Returns the autotuner, tuning each key once (``TunedOnce``), and ``gpu_configs(dtype, limits=None)``, the
+    candidates it offers for a dtype on a device with those limits (every one for ``None``).
     """
 
     def gpu_configs(dtype: torch.dtype, limits: DeviceLimits | None = None) -> list[triton.Config]:
@@ -106,69 +120,47 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
 
     every = [config for config, _, _ in half + fp32]
     tuned = triton.autotune(configs=every, key=key, prune_configs_by={"early_config_prune": candidates})(kernel)
-    return tuned, gpu_configs
+    return TunedOnce(tuned), gpu_configs
 
 
-# Under the interpreter, whose fp32 -> bf16 cast truncates and whose bf16 arithmetic is broken, bf16 values
-# round with integer ops and narrow-dtype arithmetic runs in fp32; compiled, the hardware does both.
-INTERPRETED = tl.constexpr(interpreting())
+class TunedOnce:
+    """``autotuner``'s launches, each key tuned once under a lock, then launched with its best config
+    without the autotuner: Triton's keeps a call's arguments on itself while it prunes and times, so two
+    first calls at once (or a launch during another key's tuning) would prune against the other's None."""
 
+    def __init__(self, autotuner):
+        self.autotuner = autotuner
+        self._best: dict[tuple, triton.Config] = {}
+        self._tuning = threading.Lock()
 
-@triton.jit
-def round_to_bf16_by_integers(x):
-    """fp32 -> bf16 with round-to-nearest-even in integer ops, for the interpreter.
+    def key(self, args: tuple, kwargs: dict) -> tuple:
+        """The autotuner's own cache key: its key arguments' values, then every tensor argument's dtype."""
+        named = {**dict(zip(self.autotuner.arg_names, args)), **kwargs}
+        named = {name: value for name, value in named.items() if name in self.autotuner.arg_names}
+        values = [named[name] for name in self.autotuner.keys if name in named]
+        return tuple(values + [str(value.dtype) for value in named.values() if hasattr(value, "dtype")])
 
-    It matches the hardware cast bit for bit on every non-NaN input, overflow to +-inf included. NaN is
-    kept apart: rounding its payload would carry into the exponent or the sign, so it keeps its sign and
-    high payload and gets the quiet bit.
-    """
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-    quiet_nan = (bits >> 16) | 0x40
-    is_nan = (bits & 0x7FFFFFFF) > 0x7F800000  # in integers: no float compare for a compiler to fold away
-    return tl.where(is_nan, quiet_nan, rounded).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            key = self.key(args, kwargs)
+            config = self._best.get(key)
+            if config is None:
+                with self._tuning:
+                    config = self._best.get(key)
+                    if config is None:  # the first call of this key: tune it, and launch as the tuner does
+                        result = self.autotuner[grid](*args, **kwargs)
+                        self._best[key] = self.autotuner.best_config
+                        return result
+            return self.autotuner.fn[grid](*args, **kwargs, **config.all_kwargs())
+
+        return launch
 
 
 @triton.jit
 def round_to(x, DTYPE: tl.constexpr):
-    """Round ``x`` to DTYPE to nearest even, as a PyTorch cast: on a GPU the hardware's cvt.rn, one
-    instruction per two values."""
-    if INTERPRETED and DTYPE == tl.bfloat16:
-        return round_to_bf16_by_integers(x.to(tl.float32))
-    else:
-        return x.to(DTYPE, fp_downcast_rounding="rtne")
-
-
-@triton.jit
-def add_rounded(a, b, DTYPE: tl.constexpr):
-    """round(a + b) for a and b in DTYPE, as stock's add: in fp32, rounded once. For two values of one
-    narrow dtype that is the correctly rounded sum (the fp32 sum is exact, or too far from a tie to move
-    it), which the GPU's own bf16/fp16 add computes in one instruction per two values."""
-    if INTERPRETED:
-        return round_to(a.to(tl.float32) + b.to(tl.float32), DTYPE)
-    else:
-        return a + b
-
-
-@triton.jit
-def sub_rounded(a, b, DTYPE: tl.constexpr):
-    """round(a - b), as ``add_rounded``: the interpreter cannot negate a bf16 tensor, so the difference
-    has its own helper."""
-    if INTERPRETED:
-        return round_to(a.to(tl.float32) - b.to(tl.float32), DTYPE)
-    else:
-        return a - b
-
-
-@triton.jit
-def mul_rounded(a, b, DTYPE: tl.constexpr):
-    """round(a * b) for a and b in DTYPE, as stock's product: in fp32, rounded once. For two bf16 or fp16
-    values the fp32 product is exact (8 + 8 or 11 + 11 significant bits) outside fp32's subnormal range, so
-    that is the GPU's correctly rounded bf16/fp16 multiply."""
-    if INTERPRETED:
-        return round_to(a.to(tl.float32) * b.to(tl.float32), DTYPE)
-    else:
-        return a * b
+    """Round ``x`` to DTYPE to nearest even, as a PyTorch cast: the hardware's cvt.rn, one instruction per
+    two values."""
+    return x.to(DTYPE, fp_downcast_rounding="rtne")
 
 
 @triton.jit
@@ -188,17 +180,10 @@ def clamp_bounds(clamps_ptr, row, DTYPE: tl.constexpr):
 
 @triton.jit
 def rms_inverse(sum_squares, SIZE: tl.constexpr, eps):
-    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over SIZE values.
-
-    Interpreted, torch's CPU order bit for bit: the mean as sum / size, the power correctly rounded. On a
-    GPU, as torch's CUDA pow(-0.5): the hardware's reciprocal square root (within 2 ulp of fp32) of the
-    sum times 1 / size (within 1 ulp of the quotient), a few instructions a row where the correctly
-    rounded pair costs dozens."""
-    if INTERPRETED:
-        size = tl.full(sum_squares.shape, SIZE, tl.float32)
-        return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sum_squares, size) + eps))
-    else:
-        return tl.rsqrt(sum_squares * (1.0 / SIZE) + eps)
+    """Gemma4RMSNorm's pow(mean(x²) + eps, -0.5) from an fp32 sum of squares over SIZE values, as torch's
+    CUDA pow(-0.5): the hardware's reciprocal square root (within 2 ulp of fp32) of the sum times 1 / size
+    (within 1 ulp of the quotient), a few instructions a row where the correctly rounded pair costs dozens."""
+    return tl.rsqrt(sum_squares * (1.0 / SIZE) + eps)
 
 
 @triton.jit

@@ -34,7 +34,6 @@ def _gate_up_gelu_kernel(
     INTERMEDIATE: tl.constexpr,
     HAS_CLAMPS: tl.constexpr,
     DTYPE: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -70,13 +69,8 @@ def _gate_up_gelu_kernel(
             a = tl.load(y_rows + ks[None, :], mask=(ks < HIDDEN)[None, :], other=0.0)
             b_gate = tl.load(gate_cols + ks[:, None], mask=(ks < HIDDEN)[:, None], other=0.0)
             b_up = tl.load(up_cols + ks[:, None], mask=(ks < HIDDEN)[:, None], other=0.0)
-        if DOT_IN_FP32:  # the interpreter has no bf16 dot; bf16 values are exact in fp32
-            a = a.to(tl.float32)
-            gate = tl.dot(a, b_gate.to(tl.float32), gate, input_precision="ieee")
-            up = tl.dot(a, b_up.to(tl.float32), up, input_precision="ieee")
-        else:
-            gate = tl.dot(a, b_gate, gate)
-            up = tl.dot(a, b_up, up)
+        gate = tl.dot(a, b_gate, gate)
+        up = tl.dot(a, b_up, up)
 
     bounds = gelu_gate_bounds(clamps_ptr, HAS_CLAMPS, DTYPE)
     out = gelu_gate_values(round_to(gate, DTYPE).to(tl.float32), round_to(up, DTYPE), bounds, HAS_CLAMPS, DTYPE)
@@ -128,7 +122,7 @@ def gate_up_gelu(y: torch.Tensor, weight: torch.Tensor, clamps: torch.Tensor | N
     if interpreting():  # fixed large tiles: the interpreter pays per program, and autotuning needs a GPU
         block_n = min(128, triton.next_power_of_2(intermediate))
         tile = dict(BLOCK_M=64, BLOCK_N=block_n, BLOCK_K=64, FULL_ROWS=num_rows >= 64)
-        _gate_up_gelu_kernel[grid](*args, **meta, **tile, DOT_IN_FP32=True, enable_fp_fusion=False)
+        _gate_up_gelu_kernel[grid](*args, **meta, **tile, enable_fp_fusion=False)
     else:
-        _gate_up_gelu_tuned[grid](*args, **meta, DOT_IN_FP32=False, enable_fp_fusion=False)
+        _gate_up_gelu_tuned[grid](*args, **meta, enable_fp_fusion=False)
     return out

@@ -13,7 +13,6 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .common import (
-    INTERPRETED,
     TORCH_TO_TL,
     as_rows,
     clamp,
@@ -21,7 +20,6 @@ from .common import (
     interpreting,
     launcher,
     load_part,
-    mul_rounded,
     offset_dtype,
     round_to,
     row_parts,
@@ -51,10 +49,9 @@ def _gelu_tanh(x, DTYPE: tl.constexpr):
         return 0.5 * x * (1.0 + tl.where(inner < 0, -tanh, tanh))
     else:
         denominator = 1.0 + tl.exp2(x * tl.fma(x * x, EXP2_B, EXP2_A))
-        if INTERPRETED:  # the interpreter has no fast divide
-            return x / denominator
-        else:  # x / (2**126 or more) is 0 here, as the exact quotient rounds in the dtype
-            return libdevice.fast_dividef(x, denominator)
+        # Past 2**126 (x below about -10) the fast divide gives 0 where the exact quotient, about x * 2**-126,
+        # is a normal bf16; stock's 1 + tanh(u) has cancelled to 0 there too.
+        return libdevice.fast_dividef(x, denominator)
 
 
 @triton.jit
@@ -70,7 +67,7 @@ def gelu_gate_values(gate, up, bounds, HAS_CLAMPS: tl.constexpr, DTYPE: tl.const
         product = gelu * clamp(up.to(tl.float32), up_low, up_high)
         return round_to(clamp(product, down_low, down_high), DTYPE)
     else:
-        return mul_rounded(round_to(_gelu_tanh(gate, DTYPE), DTYPE), up, DTYPE)
+        return round_to(_gelu_tanh(gate, DTYPE), DTYPE) * up
 
 
 @triton.jit

@@ -29,7 +29,6 @@ from .common import (
     ASYNC_MMA,
     SYNC_MMA,
     TORCH_TO_TL,
-    add_rounded,
     autotune_per_dtype,
     configs,
     interpreting,
@@ -69,7 +68,6 @@ def _patch_embed_kernel(
     HIDDEN: tl.constexpr,
     PIXEL_DTYPE: tl.constexpr,
     DTYPE: tl.constexpr,
-    DOT_IN_FP32: tl.constexpr,
     OFFSETS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -104,9 +102,7 @@ def _patch_embed_kernel(
             pixels = tl.load(pixel_rows + ks[None, :], mask=(ks < FEATURES)[None, :], other=0.5)
             b = tl.load(weight_cols + ks[:, None], mask=(ks < FEATURES)[:, None], other=0.0)
         a = _prescale(pixels, PIXEL_DTYPE, DTYPE)
-        if DOT_IN_FP32:  # the interpreter has no bf16 dot; bf16 values are exact in fp32
-            acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-        elif DTYPE == tl.float32:
+        if DTYPE == tl.float32:
             # Not `tl.dot(a, b, acc)`, one chain over all of K; Triton also folds `acc + tl.dot(a, b)` into that.
             acc += tl.dot(a, b, input_precision="ieee").to(tl.float64)
         else:
@@ -117,7 +113,7 @@ def _patch_embed_kernel(
         table_ptr, ids_ptr, padding_ptr, rows, row_in, num_positions, stride_table_axis, stride_table_pos
     )
     pe = lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN, BLOCK_D, DTYPE)
-    out = add_rounded(hidden_states, pe, DTYPE)
+    out = hidden_states + pe
     tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], out, mask=row_in[:, None] & col_in[None, :])
 
 
@@ -206,7 +202,7 @@ def patch_embed(
         # Fixed large tiles: the interpreter pays per program, and autotuning needs a GPU.
         block_d = min(256, triton.next_power_of_2(hidden))
         tile = dict(BLOCK_M=64, BLOCK_D=block_d, BLOCK_K=64, FULL_ROWS=num_rows >= 64)
-        _patch_embed_kernel[grid](*args, **meta, **tile, DOT_IN_FP32=weight.dtype == torch.bfloat16)
+        _patch_embed_kernel[grid](*args, **meta, **tile)
     else:
-        _patch_embed_tuned[grid](*args, **meta, DOT_IN_FP32=False)
+        _patch_embed_tuned[grid](*args, **meta)
     return out

@@ -15,7 +15,6 @@ import triton.language as tl
 
 from .common import (
     TORCH_TO_TL,
-    add_rounded,
     as_rows,
     block_mask,
     interpreting,
@@ -52,7 +51,7 @@ def lookup_block(x_rows, y_rows, lookup, fill, cols, HIDDEN: tl.constexpr, BLOCK
     fill = fill.to(DTYPE)[:, None]
     x_row = tl.load(x_rows[:, None] + cols[None, :], mask=mask, other=fill)
     y_row = tl.load(y_rows[:, None] + cols[None, :], mask=mask, other=fill)
-    return add_rounded(x_row, y_row, DTYPE)
+    return x_row + y_row
 
 
 @triton.jit
@@ -86,7 +85,7 @@ def _position_embeddings_kernel(
         if HAS_RESIDUAL:
             # Stock's `hidden + pe`: one more add in the dtype.
             residual = tl.load(residual_ptr + rows[:, None] * stride_residual + cols[None, :], mask=store)
-            pe = add_rounded(residual, pe, DTYPE)
+            pe = residual + pe
         tl.store(out_ptr + rows[:, None] * HIDDEN + cols[None, :], pe, mask=store)
 
 

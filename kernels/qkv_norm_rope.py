@@ -17,22 +17,19 @@ import triton.language as tl
 from triton.language.extra import libdevice
 
 from .common import (
-    INTERPRETED,
     TORCH_TO_TL,
-    add_rounded,
     as_rows,
     clamp,
     clamp_bounds,
     interpreting,
     launcher,
     load_part,
-    mul_rounded,
     offset_dtype,
     rms_inverse,
     round_to,
     row_parts,
     store_part,
-    sub_rounded,
+    target_backend,
 )
 
 # 2 pi = TWO_PI_HIGH + TWO_PI_LOW, the first with 8 significant bits: n * TWO_PI_HIGH is exact in fp32.
@@ -42,17 +39,23 @@ INV_TWO_PI = tl.constexpr(0.15915494309189535)
 
 
 @triton.jit
+def fast_cos_sin(angle):
+    """cos and sin of fp32 angles: reduced by 2 pi in two exact steps, then the hardware's approximate pair,
+    within 2**-21.19 and 2**-21.41 of the reduced angle's (docs/semantics.md has the whole path's error)."""
+    turns = libdevice.rint(angle * INV_TWO_PI)
+    reduced = tl.fma(-turns, TWO_PI_LOW, tl.fma(-turns, TWO_PI_HIGH, angle))
+    return libdevice.fast_cosf(reduced), libdevice.fast_sinf(reduced)
+
+
+@triton.jit
 def _cos_sin(position, inv_freq, FAST_TRIG: tl.constexpr, DTYPE: tl.constexpr):
     """Stock's rotary cos and sin of ``position * inv_freq`` in fp32, rounded to DTYPE: (tokens, 1, F) blocks.
 
-    With FAST_TRIG (bf16 and fp16 on NVIDIA GPUs, compiled), the angle reduced by 2 pi in two exact steps and the
-    hardware's sin and cos (within 2**-21 on [-pi, pi]): far within one rounding of the dtype. Otherwise
-    libm's, as fp32 needs (and AMD's libdevice has no approximate pair)."""
+    With FAST_TRIG (bf16 and fp16 on NVIDIA GPUs), ``fast_cos_sin``: far within one rounding of the dtype.
+    Otherwise libm's, as fp32 needs (and AMD's libdevice has no approximate pair)."""
     angle = position[:, None] * inv_freq[None, :]
-    if FAST_TRIG and DTYPE != tl.float32 and not INTERPRETED:  # the interpreter has no approximate pair
-        turns = libdevice.rint(angle * INV_TWO_PI)
-        reduced = tl.fma(-turns, TWO_PI_LOW, tl.fma(-turns, TWO_PI_HIGH, angle))
-        cos, sin = libdevice.fast_cosf(reduced), libdevice.fast_sinf(reduced)
+    if FAST_TRIG and DTYPE != tl.float32:
+        cos, sin = fast_cos_sin(angle)
     else:
         cos, sin = tl.cos(angle), tl.sin(angle)
     return round_to(cos, DTYPE)[:, None, :], round_to(sin, DTYPE)[:, None, :]
@@ -77,11 +80,10 @@ def _normed(x, inverse, weights, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_W
 
 
 @triton.jit
-def _rotated(a, b, cos, sin, DTYPE: tl.constexpr):
-    """Stock's ``x * cos + rotate_half(x) * sin`` on a pair of quarters (a, b), in DTYPE arithmetic."""
-    rotated_a = sub_rounded(mul_rounded(a, cos, DTYPE), mul_rounded(b, sin, DTYPE), DTYPE)
-    rotated_b = add_rounded(mul_rounded(b, cos, DTYPE), mul_rounded(a, sin, DTYPE), DTYPE)
-    return rotated_a, rotated_b
+def _rotated(a, b, cos, sin):
+    """Stock's ``x * cos + rotate_half(x) * sin`` on a pair of quarters (a, b) in the hidden dtype's own
+    arithmetic: each product and the sum rounded."""
+    return a * cos - b * sin, b * cos + a * sin
 
 
 @triton.jit
@@ -98,8 +100,8 @@ def _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, s
     x = _projected(source + 3 * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
     n3 = _normed(x, inverse, weight_ptr + 3 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
     if ROPE:
-        n0, n1 = _rotated(n0, n1, cos_x, sin_x, DTYPE)
-        n2, n3 = _rotated(n2, n3, cos_y, sin_y, DTYPE)
+        n0, n1 = _rotated(n0, n1, cos_x, sin_x)
+        n2, n3 = _rotated(n2, n3, cos_y, sin_y)
     store_part(target + f, n0, f, F, MASKED)
     store_part(target + F + f, n1, f, F, MASKED)
     store_part(target + 2 * F + f, n2, f, F, MASKED)
@@ -291,7 +293,7 @@ def qkv_norm_rope(
         TAIL=tail,
         HAS_CLAMPS=clamps is not None,
         DTYPE=TORCH_TO_TL[qkv.dtype],
-        FAST_TRIG=BACKEND_CONSTANTS["FAST_TRIG"]("hip" if torch.version.hip else "cuda"),
+        FAST_TRIG=BACKEND_CONSTANTS["FAST_TRIG"](target_backend(qkv.device)),
         OFFSETS=offset_dtype(qkv, q, k),
         BLOCK_T=block_t,
         num_warps=num_warps,

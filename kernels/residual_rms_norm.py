@@ -12,7 +12,6 @@ import triton.language as tl
 
 from .common import (
     TORCH_TO_TL,
-    add_rounded,
     as_rows,
     interpreting,
     launcher,
@@ -99,11 +98,11 @@ def _residual_rms_norm_kernel(
             r_tail = _load_tail(residual_row, tail, HIDDEN, MASK_TAIL)
         # Stock rounds post_norm's output to the hidden dtype, then adds it to the residual in that dtype.
         n_main, n_tail = _norm(x_main, x_tail, post_main, post_tail, eps, HIDDEN, TAIL, DTYPE)
-        h_main = add_rounded(r_main, n_main, DTYPE)
+        h_main = r_main + n_main
         tl.store(h_row + main, h_main)
         h_tail = h_main
         if TAIL > 0:
-            h_tail = add_rounded(r_tail, n_tail, DTYPE)
+            h_tail = r_tail + n_tail
             _store_tail(h_row, tail, h_tail, HIDDEN, MASK_TAIL)
         if HAS_NEXT:
             y_main, y_tail = _norm(

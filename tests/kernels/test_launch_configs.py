@@ -1,8 +1,8 @@
 """The tile shapes the launchers pick on a GPU, run here under the interpreter.
 
 CPU runs use the interpreter's own large tiles, so without this the GPU tiles (and the autotune configs
-of the patch embedder) would first meet a test on the GPU. The interpreter has no bf16 dot,
-so the GPU paths of the dots are checked in fp16 and fp32.
+of the patch embedder and the gate/up GEMM) would first meet a test on the GPU. Every dtype runs the GPU's
+code: the interpreter computes bf16 as the GPU does (fused_vision/_interpreter.py).
 """
 
 import pytest
@@ -60,7 +60,8 @@ class _FixedConfig:
 
 
 def candidates(module):
-    return [(dtype, config) for dtype in (torch.float16, torch.float32) for config in module.gpu_configs(dtype)]
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    return [(dtype, config) for dtype in dtypes for config in module.gpu_configs(dtype)]
 
 
 def candidate_id(value):
@@ -82,24 +83,24 @@ def test_pooler_gpu_tiles(poisoned, gpu_tiles, dtype):
 
 @pytest.mark.parametrize("dtype,config", candidates(patch_embed_kernels), ids=candidate_id)
 def test_patch_embed_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config):
-    tuned = _FixedConfig(patch_embed_kernels._patch_embed_tuned.fn, config)  # its heuristics, then the kernel
+    tuned = _FixedConfig(patch_embed_kernels._patch_embed_tuned.autotuner.fn, config)  # its heuristics, then the kernel
     monkeypatch.setattr(patch_embed_kernels, "_patch_embed_tuned", tuned)
     pixels, weight, table, ids = make_inputs(2, 150, 96, 144, 30, dtype, torch.float32, 11)
     actual = fused_vision.patch_embed(pixels, weight, table, ids, backend="triton")
     assert_matches_stock(actual, pixels, weight, table, ids)
 
 
-# fp16: the interpreter has no bf16 dot (float32 has no candidate: cuBLAS and the gate kernel run it).
-@pytest.mark.parametrize("config", gate_up_gelu_kernels.gpu_configs(torch.float16), ids=str)
+# float32 has no candidate: cuBLAS and the gate kernel run it.
+@pytest.mark.parametrize("dtype,config", candidates(gate_up_gelu_kernels), ids=candidate_id)
 @pytest.mark.parametrize("rows", [70, 200], ids=["rows_below_a_block", "a_shifted_last_block"])
-def test_gate_up_gelu_autotune_configs(poisoned, gpu_tiles, monkeypatch, config, rows):
+def test_gate_up_gelu_autotune_configs(poisoned, gpu_tiles, monkeypatch, dtype, config, rows):
     """Each GPU tile on 200 columns of I (a shifted last column block) over D = 96 (K blocks of 32 or 64,
     one partial): bit-identical to cuBLAS's order where every sum is exact, as accurate as stock elsewhere."""
-    tuned = _FixedConfig(gate_up_gelu_kernels._gate_up_gelu_tuned.fn, config)
+    tuned = _FixedConfig(gate_up_gelu_kernels._gate_up_gelu_tuned.autotuner.fn, config)
     monkeypatch.setattr(gate_up_gelu_kernels, "_gate_up_gelu_tuned", tuned)
     generator = torch.Generator().manual_seed(rows)
-    y = torch.randint(-1, 2, (rows, 96), generator=generator).half()
-    weight = (torch.randint(-127, 128, (400, 96), generator=generator) / 1024).half()
+    y = torch.randint(-1, 2, (rows, 96), generator=generator).to(dtype)
+    weight = (torch.randint(-127, 128, (400, 96), generator=generator) / 1024).to(dtype)
     clamps = torch.tensor([[-1.5, 1.5], [-2.0, 2.0], [-0.75, 0.75]])
     actual = fused_vision.gate_up_gelu(y, weight, clamps, backend="triton")
     expected = fused_vision.gelu_gate(torch.nn.functional.linear(y, weight), clamps, backend="triton")
@@ -117,7 +118,7 @@ def test_autotuner_offers_the_candidates_of_the_dtype(module, tuner, pointer, dt
     if module is gate_up_gelu_kernels and dtype == torch.float32:
         assert module.gpu_configs(dtype) == [], "float32 is cuBLAS's and the gate kernel's: never tuned"
         return
-    tuner = getattr(module, tuner)
+    tuner = getattr(module, tuner).autotuner
     tuner.nargs = dict(zip(tuner.arg_names, [torch.empty(0)] * len(tuner.arg_names)))
     tuner.nargs[pointer] = torch.empty(0, dtype=dtype)
     try:

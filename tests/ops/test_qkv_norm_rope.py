@@ -64,17 +64,17 @@ def test_matches_reference(poisoned, backend, dtype, tokens, heads, kv_heads, he
         assert_within_one_rounding(actual, expected, case, heads, kv_heads, clamps)
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="torch's CUDA mean and pow(-0.5) round otherwise than its CPU ones")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_bit_identical_where_the_sums_are_exact(poisoned, dtype):
-    """Squares that sum exactly in any order and positions (0, 0) (cos 1, sin 0 in every libm): nothing is
-    left to differ, and the kernel is the reference bit for bit."""
+def test_only_the_inverse_rms_differs_where_the_sums_are_exact(poisoned, dtype):
+    """Squares that sum exactly in any order and positions (0, 0) (cos 1, sin 0): what is left to differ is
+    the inverse RMS (the hardware's rsqrt, not torch's correctly rounded power), within 4 of fp32's ulps,
+    which may move the output's rounding by one unit: no allowance for the sums' order."""
     heads, kv_heads, head_dim = 2, 1, 72
     case = list(make_case(21, heads, kv_heads, head_dim, dtype, exactly_summable(21, 4 * head_dim, dtype=dtype)))
     case[1] = torch.zeros_like(case[1])
     actual = fused_vision.qkv_norm_rope(*case, heads, kv_heads, eps=EPS, backend="triton")
     for name, a, e in zip("qkv", actual, reference.qkv_norm_rope(*case, heads, kv_heads, EPS)):
-        assert_bit_identical(a, e, name)
+        assert_within(a, e, (ULP[dtype] + 4 * ULP[torch.float32]) * e.double().abs(), name)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)

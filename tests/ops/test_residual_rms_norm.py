@@ -49,20 +49,23 @@ def test_matches_reference(poisoned, backend, dtype, shape, last_layer):
         assert_within(y, own, norm_error * own.double().abs(), "y")
 
 
-@pytest.mark.skipif(DEVICE.type != "cpu", reason="torch's CUDA mean and pow(-0.5) round otherwise than its CPU ones")
 @pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
-def test_bit_identical_where_the_sums_are_exact(poisoned, dtype):
-    """Exactly summable x gives h bit for bit; with post_norm's weight 0, h is the (exactly summable)
-    residual and y is bit for bit too."""
+def test_only_the_inverse_rms_differs_where_the_sums_are_exact(poisoned, dtype):
+    """Exactly summable x: what is left to differ is the inverse RMS (the hardware's rsqrt, not torch's
+    correctly rounded power), within 4 of fp32's ulps, which may move a rounding by one unit: no allowance
+    for the sums' order. With post_norm's weight 0, h is the residual bit for bit."""
     x, residual, post_weight, next_weight = make_case((37, 72), dtype)
     x = exactly_summable(37, 72, dtype=dtype)
     h, _ = fused_vision.residual_rms_norm(x, residual, post_weight, next_weight, eps=EPS, backend="triton")
-    assert_bit_identical(h, reference.residual_rms_norm(x, residual, post_weight, next_weight, EPS)[0], "h")
+    expected_h, _ = reference.residual_rms_norm(x, residual, post_weight, next_weight, EPS)
+    normed = reference.rms_norm(x, post_weight, EPS).double().abs()
+    inverse_error = 4 * ULP[torch.float32]
+    assert_within(h, expected_h, (ULP[dtype] + inverse_error) * normed + ULP[dtype] * expected_h.double().abs(), "h")
     residual = exactly_summable(37, 72, dtype=dtype)
-    actual = fused_vision.residual_rms_norm(x, residual, 0 * post_weight, next_weight, eps=EPS, backend="triton")
-    expected = reference.residual_rms_norm(x, residual, 0 * post_weight, next_weight, EPS)
-    for name, a, e in zip("hy", actual, expected):
-        assert_bit_identical(a, e, name)
+    h, y = fused_vision.residual_rms_norm(x, residual, 0 * post_weight, next_weight, eps=EPS, backend="triton")
+    assert_bit_identical(h, residual, "h")
+    own = reference.rms_norm(h, next_weight, EPS)
+    assert_within(y, own, (ULP[dtype] + inverse_error) * own.double().abs(), "y")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
