@@ -132,3 +132,13 @@ def test_an_out_of_memory_rerun_still_reports_the_first_chunk(tiny_model, memory
         run(tiny_model, "_process_video_input", video_input(tiny_model, [2, 3], 64, seed=5))
     (line,) = lines
     assert "chunks: 2 items of 64 patches per tower call" in line, "the chunks of the run that answered"
+
+
+def test_a_line_that_cannot_be_composed_says_why_and_never_fails_the_call(monkeypatch, lines):
+    def broken(*args):
+        raise AttributeError("no vision_tower")
+
+    monkeypatch.setattr(fv, "_first_call_line", broken)
+    fv._report_first_call(None, "_process_image_input", None)
+    fv._report_first_call(None, "_process_image_input", None)
+    assert lines == ["fused_vision: no report of the first encoding call (AttributeError: no vision_tower)"]

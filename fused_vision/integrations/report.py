@@ -12,9 +12,14 @@ import torch
 
 from .. import _dispatch, patching
 
-__all__ = ["backend_on", "engine_device", "fallbacks", "log_once", "patched_classes"]
+__all__ = ["backend_on", "engine_device", "fallbacks", "log_once", "patched_classes", "pending"]
 
 _LOGGED: set[str] = set()
+
+
+def pending(key: str) -> bool:
+    """Whether this process has yet to log under ``key``: what to compose a line for."""
+    return key not in _LOGGED
 
 
 def log_once(logger: logging.Logger, key: str, message: str, *args) -> bool:

@@ -242,6 +242,8 @@ def revert_fused_vision_vllm_gemma4() -> int:
 
 # ---- the plugin and its report -----------------------------------------------------------------------
 
+_FIRST_CALL = "vllm-first-call"  # the report's second line, logged once per process
+
 
 def _report_patched() -> None:
     """The plugin's first line: what it patched in this process, transformers' classes and vLLM's methods."""
@@ -270,7 +272,17 @@ def _report_patched() -> None:
 def _report_first_call(model: nn.Module, name: str, call: _Call) -> None:
     """The plugin's second line, after the first guarded call in this process (vLLM's profiling run, where it
     profiles): the backend each op runs on the tower's device, the chunks that call was given, and every
-    fallback so far with its reason."""
+    fallback so far with its reason. A line it cannot compose never fails vLLM's call: it says why."""
+    if not report.pending(_FIRST_CALL):
+        return
+    try:
+        line = _first_call_line(model, name, call)
+    except Exception as exc:  # a tower of an unforeseen shape: the call's own result stands
+        line = ("fused_vision: no report of the first encoding call (%s: %s)", type(exc).__name__, exc)
+    report.log_once(engine_logger, _FIRST_CALL, *line)
+
+
+def _first_call_line(model: nn.Module, name: str, call: _Call) -> tuple:
     tower = model.vision_tower
     embedder, pooler, encoder = (patching.fused_state(m) for m in (tower.patch_embedder, tower.pooler, tower.encoder))
     device = tower.patch_embedder.position_embedding_table.device
@@ -287,9 +299,7 @@ def _report_first_call(model: nn.Module, name: str, call: _Call) -> None:
         heads = torch.empty(0, config.num_attention_heads, config.head_dim, dtype=model.model_dtype, device=device)
         layers = f", its layers {report.backend_on(encoder, device)}" if encoder.op == "fused_encoder" else ""
         ops.append(f"the encoder: {encoder.op.split('_')[0]}, attention {attention_path(heads)}{layers}")
-    report.log_once(
-        engine_logger,
-        "vllm-first-call",
+    return (
         "fused_vision: Gemma 4's vision tower on %s: %s; %s's chunks: %s; fallbacks: %s",
         device,
         "; ".join(ops),
