@@ -261,7 +261,7 @@ def test_sglang_plugin_is_in_the_installed_metadata_and_opt_in(monkeypatch, capl
 
 
 def test_sglang_plugin_reports_once_through_sglangs_logger(monkeypatch, caplog):
-    from fused_vision import _dispatch
+    from fused_vision import _dispatch, _memory
     from fused_vision.integrations import report
 
     monkeypatch.setattr(report, "_LOGGED", set())
@@ -275,7 +275,7 @@ def test_sglang_plugin_reports_once_through_sglangs_logger(monkeypatch, caplog):
     assert fs.engine_logger.name.startswith("sglang.")
     classes = "Gemma4VisionPatchEmbedder -> patch_embed(backend=auto), Gemma4VisionPooler -> pool_by_positions("
     assert line.startswith(f"fused_vision: patched SGLang's Gemma 4 tower: {classes}")
-    device = report.engine_device()
+    device = _memory.current_device()
     assert f"; on {device}: Gemma4VisionPatchEmbedder: reference, Gemma4VisionPooler: reference" in line
     assert line.endswith("; fallbacks: none")
 

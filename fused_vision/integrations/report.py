@@ -12,7 +12,7 @@ import torch
 
 from .. import _dispatch, patching
 
-__all__ = ["backend_on", "engine_device", "fallbacks", "log_once", "patched_classes", "pending"]
+__all__ = ["backend_on", "fallbacks", "log_once", "patched_classes", "pending"]
 
 _LOGGED: set[str] = set()
 
@@ -29,12 +29,6 @@ def log_once(logger: logging.Logger, key: str, message: str, *args) -> bool:
     _LOGGED.add(key)
     logger.info(message, *args, stacklevel=2)  # the line of the integration that reports
     return True
-
-
-def engine_device() -> torch.device:
-    """The device an engine process computes on: the current accelerator (CUDA, ROCm, XPU, ...), else the CPU."""
-    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
-    return accelerator if accelerator is not None else torch.device("cpu")
 
 
 def backend_on(state, device: torch.device, op: str | None = None) -> str:

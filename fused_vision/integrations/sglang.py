@@ -19,7 +19,7 @@ import os
 import torch
 from torch import nn
 
-from .. import patching
+from .. import _memory, patching
 from ..encoder import packed
 from ..encoder.attention import Packing
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
@@ -344,7 +344,7 @@ def _report_patched() -> None:
     process's device (SGLang builds its model there next), and every fallback so far with its reason."""
     vision = _sglang_vision()
     classes = [vision.Gemma4VisionPatchEmbedder, vision.Gemma4VisionPooler, *_embedding_pooler_classes()]
-    device = report.engine_device()
+    device = _memory.current_device()
     ops = [f"{cls.__name__}: {report.backend_on(patching.fused_state(cls), device)}" for cls in classes]
     report.log_once(
         engine_logger,
