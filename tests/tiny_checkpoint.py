@@ -5,13 +5,15 @@ chat template. Built offline and deterministically (the same bytes for a seed).
     python tests/tiny_checkpoint.py DIRECTORY      # then: vllm's LLM(model=DIRECTORY, ...)
 
 The language model is 2 layers of hidden 64 with heads of 32 (vLLM's CPU attention takes no smaller); the
-vision tower 2 layers, 2 heads of 72 (the real head size), Gemma 4's patch size 16 and pooling kernel 3,
-70 soft tokens per image and per video frame. Recipe: docs/vllm.md.
+vision tower the 26B/31B checkpoints' cut to 2 layers of 2 heads of 72, Gemma 4's patch size 16 and pooling
+kernel 3, 70 soft tokens per image and per video frame. Recipe: docs/vllm.md.
 """
 
 import sys
 
 import torch
+
+from fused_vision.bench.tower import LOW_MEMORY_TOWER, VISION_TOWERS
 
 SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<|turn>", "<turn|>"]
 # Gemma 4's multimodal tokens: the image placeholder and its brackets, the video and audio ones.
@@ -44,33 +46,24 @@ def config():
     from transformers.models.gemma4 import configuration_gemma4 as configuration
 
     vocab = vocabulary()
+    # Heads of 32, the smallest vLLM's CPU attention takes; a sliding layer and a full one, as Gemma 4 mixes them.
+    heads = dict(num_attention_heads=2, head_dim=32, global_head_dim=32)
+    heads |= dict(num_key_value_heads=1, num_global_key_value_heads=1)
+    layers = dict(num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=64)
     text = configuration.Gemma4TextConfig(
+        **heads,
+        **layers,
         vocab_size=len(vocab),
         vocab_size_per_layer_input=len(vocab),
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=32,
-        global_head_dim=32,
-        num_global_key_value_heads=1,
         hidden_size_per_layer_input=0,
-        layer_types=["sliding_attention", "full_attention"],
-        sliding_window=64,
         max_position_embeddings=4096,
     )
-    vision = configuration.Gemma4VisionConfig(
-        hidden_size=144,
-        intermediate_size=288,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        head_dim=72,
-        position_embedding_size=1024,
-        default_output_length=SOFT_TOKENS,
-        standardize=True,
-    )
+    # The 26B/31B checkpoints' tower (heads of 72, standardized, no clipped linears), 2 layers of 2 heads.
+    tower = dict(VISION_TOWERS[LOW_MEMORY_TOWER], hidden_size=144, intermediate_size=288, num_hidden_layers=2)
+    tower |= dict(num_attention_heads=2, num_key_value_heads=2, position_embedding_size=1024)
+    vision = configuration.Gemma4VisionConfig(**tower, default_output_length=SOFT_TOKENS)
     tokens = {f"{kind}_id": vocab[MEDIA[kind]] for kind in ("boi_token", "eoi_token", "image_token", "video_token")}
     tokens |= dict(boa_token_id=vocab["<|audio>"], eoa_token_index=vocab["<audio|>"], audio_token_id=vocab["<|audio|>"])
     result = configuration.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, **tokens)
