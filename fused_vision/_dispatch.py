@@ -25,6 +25,7 @@ ENV_BACKEND = "FUSED_VISION_BACKEND"
 _TRITON_DEVICE_TYPES = ("cuda", "xpu")  # ROCm tensors report "cuda"
 
 _failed: set[tuple[str, str]] = set()  # (op, device type) whose kernel failed under "auto"
+_failure_reasons: dict[tuple[str, str], str] = {}  # the error of each, for an integration's report
 
 
 @functools.cache
@@ -203,6 +204,17 @@ def warn_once(message: str, stacklevel: int = 3) -> None:
         warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
+def fallbacks() -> list[str]:
+    """Every fallback this process has taken so far, with its reason: each ``warn_once`` message, and each op
+    whose Triton kernel failed under "auto" (then the reference runs it on that device type)."""
+    failed = [
+        f"fused_vision.{op} on {device_type} runs the PyTorch reference: its Triton kernel failed "
+        f"({_failure_reasons.get((op, device_type), 'no reason kept')})"
+        for op, device_type in sorted(_failed)
+    ]
+    return [*sorted(_WARNED), *failed]
+
+
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """Make ``device`` the current one while a kernel launches: Triton launches on the current device,
     whatever device its arguments are on, and a model spread over GPUs (``device_map="auto"``) calls the
@@ -231,6 +243,7 @@ def dispatch(op: str, backend: str, device: torch.device, triton_fn: Callable, r
         if chosen == "triton":  # asked for by name: its errors are the caller's to see
             raise
         _failed.add((op, device.type))
+        _failure_reasons[op, device.type] = f"{type(exc).__name__}: {exc}"
         warnings.warn(
             f"fused_vision.{op}: the Triton kernel failed on {device.type} ({type(exc).__name__}: {exc}); "
             "this op uses the PyTorch reference from now on. "

@@ -23,7 +23,8 @@ from .._environment import flag
 from ..encoder import packed
 from ..encoder.attention import Packing
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
-from . import stem
+from ..pipeline import _memory
+from . import report, stem
 
 __all__ = [
     "VARLEN_BACKENDS",
@@ -35,6 +36,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("fused_vision")
+# The plugin's report goes through SGLang's loggers, which its processes print at INFO.
+engine_logger = logging.getLogger("sglang.fused_vision")
 
 SGLANG_MODULE = "sglang.srt.models.gemma4_vision"
 SGLANG_EMBEDDING_MODULE = "sglang.srt.models.embedding_gemma2"
@@ -333,3 +336,23 @@ def sglang_plugin() -> None:
         apply_fused_vision_to_sglang_gemma4()
     except ImportError as exc:
         logger.warning("fused_vision: %s=1 but SGLang's Gemma 4 cannot be patched here (%s)", ENV_SGLANG, exc)
+        return
+    _report_patched()
+
+
+def _report_patched() -> None:
+    """The plugin's line, once per process: the classes it patched, the backend each op resolves to on this
+    process's device (SGLang builds its model there next), and every fallback so far with its reason."""
+    vision = _sglang_vision()
+    classes = [vision.Gemma4VisionPatchEmbedder, vision.Gemma4VisionPooler, *_embedding_pooler_classes()]
+    device = _memory.current_device()
+    ops = [f"{cls.__name__}: {report.backend_on(patching.fused_state(cls), device)}" for cls in classes]
+    report.log_once(
+        engine_logger,
+        "sglang-patched",
+        "fused_vision: patched SGLang's Gemma 4 tower: %s; on %s: %s; fallbacks: %s",
+        ", ".join(report.patched_classes(classes)) or "nothing",
+        device,
+        ", ".join(ops),
+        report.fallbacks(),
+    )

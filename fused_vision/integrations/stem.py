@@ -26,6 +26,7 @@ __all__ = [
     "broadcast_rows",
     "embedder_runs_stock",
     "lookup_is_onehot",
+    "plain_linear",
     "pooler_runs_fused",
     "tower_targets",
 ]
@@ -57,7 +58,7 @@ def lookup_is_onehot(embedder_cls: type) -> bool:
 # ---- the embedder's patched methods, and when the pooler's run fused -------------------------------
 
 
-def _plain_linear(linear: nn.Module) -> bool:
+def plain_linear(linear: nn.Module) -> bool:
     """An ``nn.Linear`` whose weight the fused embedder may read directly (no bias, hooks or quantization)."""
     if not isinstance(linear, nn.Linear) or linear.bias is not None:
         return False
@@ -151,7 +152,7 @@ def _embedder_forward(self, pixel_values, pixel_position_ids, padding_positions=
     fused, table, weight = patching.fused_state(self), self.position_embedding_table, self.input_proj.weight
     if (
         fused.op == "patch_embed"
-        and _plain_linear(self.input_proj)
+        and plain_linear(self.input_proj)
         and weight.dtype == table.dtype
         and not _autocast_enabled(pixel_values.device.type)
     ):

@@ -11,21 +11,25 @@ chunk when it runs out of memory, and (``encoder=``, ``FUSED_VISION_VLLM_ENCODER
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import dataclasses
 import functools
 import importlib
 import logging
 import sys
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from .. import patching
+from .. import _releases, patching
 from .._dispatch import warn_once
 from .._environment import choice, flag
+from ..encoder.attention import attention_path
 from ..pipeline import encoding, planner
 from ..pipeline._chunks import HalvingChunks
+from . import report, stem
 from .transformers import ENCODERS, apply_fused_vision_to_gemma4
 
 __all__ = [
@@ -37,6 +41,8 @@ __all__ = [
 ]
 
 logger = logging.getLogger("fused_vision")
+# The plugin's report goes through vLLM's own logger, whose handler and format vLLM's processes print.
+engine_logger = logging.getLogger("vllm.fused_vision")
 
 ENV_VLLM = "FUSED_VISION_VLLM"
 ENV_VLLM_ENCODER = "FUSED_VISION_VLLM_ENCODER"  # the plugin's encoder= (stock when unset)
@@ -44,14 +50,28 @@ VLLM_MODULE = "vllm.model_executor.models.gemma4_mm"
 _PLANNER_STATE = "planner"  # what a patched model runs with, shown in its repr
 
 
+class _Chunk(NamedTuple):
+    """One answer of ``_encoder_chunk``: items of ``patches`` patches per tower call, vLLM's own answer beside
+    it, within vLLM's ``budget`` bytes."""
+
+    patches: int
+    items: int
+    vllms: int
+    budget: int
+
+    def __str__(self) -> str:
+        budget = f"{self.budget / 2**20:.0f} MiB"
+        return f"{self.items} items of {self.patches} patches per tower call in {budget} (vLLM's own: {self.vllms})"
+
+
 @dataclasses.dataclass
 class _Call:
     """One guarded call of a model: the model, the cap its re-runs put on the chunk, and each chunk
-    ``_encoder_chunk`` answered in the current run, as (patches per item, items)."""
+    ``_encoder_chunk`` answered in the current run."""
 
     model: nn.Module
     cap: int | None = None
-    chunks: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    chunks: list[_Chunk] = dataclasses.field(default_factory=list)
 
 
 # The guarded call running in this thread (context), which vLLM's own method between the guard and
@@ -96,7 +116,8 @@ def _encoder_chunk(self, patches_per_item, free_bytes, total_bytes, position_emb
     if call is not None and call.model is self:
         if call.cap is not None:
             chunk = min(chunk, call.cap)
-        call.chunks.append((patches_per_item, chunk))
+        vllms = stock(patches_per_item, free_bytes, total_bytes, position_embedding_size)
+        call.chunks.append(_Chunk(patches_per_item, chunk, vllms, min(free_bytes // 2, total_bytes // 10)))
     return chunk
 
 
@@ -105,8 +126,8 @@ def _failed_chunk(call: _Call, pixel_values) -> int:
     cuts it to the items of that patch count; 1 (nothing to halve) where it was not asked (MM-LoRA)."""
     if not call.chunks:
         return 1
-    patches, chunk = call.chunks[-1]
-    return min(chunk, sum(item.shape[0] == patches for item in pixel_values))
+    last = call.chunks[-1]
+    return min(last.items, sum(item.shape[0] == last.patches for item in pixel_values))
 
 
 def _out_of_memory_guard(name: str, pixels_key: str):
@@ -129,6 +150,7 @@ def _out_of_memory_guard(name: str, pixels_key: str):
         finally:
             _GUARDED.reset(token)
             chunks.warn(f"fused_vision: vLLM's {name}", "vision-tower call", stacklevel=2)
+            _report_first_call(self, name, call)
 
     guarded.__name__ = guarded.__qualname__ = name
     guarded.__doc__ = f"vLLM's ``{name}``, run again at half the chunk that runs out of memory."
@@ -219,6 +241,75 @@ def revert_fused_vision_vllm_gemma4() -> int:
     return patching.revert(None, _is_vllm_class)
 
 
+# ---- the plugin and its report -----------------------------------------------------------------------
+
+_FIRST_CALL = "vllm-first-call"  # the report's second line, logged once per process
+
+
+def _report_patched() -> None:
+    """The plugin's first line: what it patched in this process, transformers' classes and vLLM's methods."""
+    classes, methods = [], []
+    with contextlib.suppress(ImportError):  # already warned: what is missing stays unpatched
+        modeling = _releases.modeling()
+        tower = (modeling.Gemma4VisionPatchEmbedder, modeling.Gemma4VisionPooler, modeling.Gemma4VisionEncoder)
+        classes = report.patched_classes(tower)
+    with contextlib.suppress(ImportError):
+        methods = [name for name, value in vars(_model_class()).items() if isinstance(value, patching.InstanceMethod)]
+    if not classes and not methods:
+        return
+    guards = [name for name in methods if name != "_encoder_chunk"]
+    vllms = ["the chunk planner (_encoder_chunk)"] if "_encoder_chunk" in methods else []
+    vllms += [f"the out-of-memory guard ({', '.join(guards)})"] if guards else []
+    report.log_once(
+        engine_logger,
+        "vllm-patched",
+        "fused_vision: patched transformers' Gemma 4 tower: %s; vLLM's Gemma 4: %s. Backends, chunks and "
+        "fallbacks follow at the first encoding call",
+        ", ".join(classes) or "nothing",
+        ", ".join(vllms) or "nothing",
+    )
+
+
+def _report_first_call(model: nn.Module, name: str, call: _Call) -> None:
+    """The plugin's second line, after the first guarded call in this process (vLLM's profiling run, where it
+    profiles): the backend each op runs on the tower's device, the chunks that call was given, and every
+    fallback so far with its reason. A line it cannot compose never fails vLLM's call: it says why."""
+    if not report.pending(_FIRST_CALL):
+        return
+    try:
+        line = _first_call_line(model, name, call)
+    except Exception as exc:  # a tower of an unforeseen shape: the call's own result stands
+        line = ("fused_vision: no report of the first encoding call (%s: %s)", type(exc).__name__, exc)
+    report.log_once(engine_logger, _FIRST_CALL, *line)
+
+
+def _first_call_line(model: nn.Module, name: str, call: _Call) -> tuple:
+    tower = model.vision_tower
+    embedder, pooler, encoder = (patching.fused_state(m) for m in (tower.patch_embedder, tower.pooler, tower.encoder))
+    device = tower.patch_embedder.position_embedding_table.device
+    whole = embedder is not None and embedder.op == "patch_embed" and stem.plain_linear(tower.patch_embedder.input_proj)
+    lookup = "patch_embed" if whole else "position_embeddings (the projection is vLLM's)"
+    ops = [
+        f"the embedder's {lookup}: {report.backend_on(embedder, device, lookup.split()[0])}",
+        f"the pooler's pool_by_positions: {report.backend_on(pooler, device)}",
+    ]
+    if encoder is None:
+        ops.append("the encoder: stock")
+    else:
+        config = tower.config
+        heads = torch.empty(0, config.num_attention_heads, config.head_dim, dtype=model.model_dtype, device=device)
+        layers = f", its layers {report.backend_on(encoder, device)}" if encoder.op == "fused_encoder" else ""
+        ops.append(f"the encoder: {encoder.op.split('_')[0]}, attention {attention_path(heads)}{layers}")
+    return (
+        "fused_vision: Gemma 4's vision tower on %s: %s; %s's chunks: %s; fallbacks: %s",
+        device,
+        "; ".join(ops),
+        name,
+        ", ".join(map(str, call.chunks)) or "none asked (every item in one call)",
+        report.fallbacks(),
+    )
+
+
 def vllm_plugin() -> None:
     """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
     process it starts, its model workers included, where a patch made in the launching script does not
@@ -237,3 +328,4 @@ def vllm_plugin() -> None:
             apply()
         except Exception as exc:
             logger.warning("fused_vision: %s=1 but %s cannot be patched here (%s)", ENV_VLLM, what, exc)
+    _report_patched()

@@ -1,4 +1,4 @@
-"""The free and total memory of a device, asked of its own backend (``fused_vision.planner``'s budget)."""
+"""The free and total memory of a device, asked of its own backend (``fused_vision.pipeline.planner``'s budget)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@
     soft_tokens = fused_vision.encode_images(model, pixel_values, pixel_position_ids, max_batch=16)
 
 vLLM's batched pattern: items are bucketed by patch count, each bucket runs in chunks that
-``fused_vision.planner`` sizes, and each item's soft tokens come back stripped of padding and
+``fused_vision.pipeline.planner`` sizes, and each item's soft tokens come back stripped of padding and
 standardized as the release's ``Gemma4VisionModel.forward`` does. A patched and a stock tower both work.
 """
 
@@ -41,7 +41,7 @@ def planner_path(tower: nn.Module, items: Iterable[tuple[torch.Tensor, torch.Ten
 
 
 def planner_attention(vision_config) -> str | None:
-    """The attention implementation ``fused_vision.planner`` prices for a tower's config, or None where the
+    """The attention implementation ``fused_vision.pipeline.planner`` prices for a tower's config, or None where the
     config names none (the planner's default then applies)."""
     # The planner prices sdpa and eager. transformers' paged variants compute as their base kernels
     # do (paged eager holds eager's (N, N) scores); the flash-style kernels hold none: priced as sdpa.
@@ -60,7 +60,7 @@ def _plan_chunk(
     dtype: torch.dtype,
     input_bytes_per_item: int,
 ) -> int:
-    """Items per encoder call, from ``fused_vision.planner``."""
+    """Items per encoder call, from ``fused_vision.pipeline.planner``."""
     return planner.plan(
         num_items,
         patches_per_item,
@@ -101,10 +101,10 @@ def encode_images(
 
     ``packed=True``: items of any patch counts share a call of the packed encoder (``fused_vision.encoder.packed``:
     their padding dropped, attention per item), each call filled in input order up to
-    ``fused_vision.planner.plan_tokens(...)`` real patches (and ``max_batch`` items). Where the tower's
+    ``fused_vision.pipeline.planner.plan_tokens(...)`` real patches (and ``max_batch`` items). Where the tower's
     attention implementation is one it does not replace, the padded path runs, with one warning.
     ``packed=False``: items are bucketed by patch count; each bucket runs in chunks of
-    ``fused_vision.planner.plan(...)`` items (at most ``max_batch``) through the tower's own patch embedder,
+    ``fused_vision.pipeline.planner.plan(...)`` items (at most ``max_batch``) through the tower's own patch embedder,
     encoder and pooler. A patched and a stock tower both work. Each item's pooled tokens are stripped of
     padding and standardized as the release's ``Gemma4VisionModel.forward`` does.
 

@@ -260,6 +260,27 @@ def test_sglang_plugin_is_in_the_installed_metadata_and_opt_in(monkeypatch, capl
     assert "cannot be patched" in caplog.text
 
 
+def test_sglang_plugin_reports_once_through_sglangs_logger(monkeypatch, caplog):
+    from fused_vision import _dispatch
+    from fused_vision.integrations import report
+    from fused_vision.pipeline import _memory
+
+    monkeypatch.setattr(report, "_LOGGED", set())
+    monkeypatch.setattr(_dispatch, "_WARNED", set())
+    monkeypatch.setenv(fs.ENV_SGLANG, "1")
+    monkeypatch.setenv("FUSED_VISION_BACKEND", "reference")
+    with caplog.at_level("INFO", logger=fs.engine_logger.name):
+        fs.sglang_plugin()
+        fs.sglang_plugin()  # SGLang loads its plugins once per process: nothing new to say
+    (line,) = [record.getMessage() for record in caplog.records if record.name == fs.engine_logger.name]
+    assert fs.engine_logger.name.startswith("sglang.")
+    classes = "Gemma4VisionPatchEmbedder -> patch_embed(backend=auto), Gemma4VisionPooler -> pool_by_positions("
+    assert line.startswith(f"fused_vision: patched SGLang's Gemma 4 tower: {classes}")
+    device = _memory.current_device()
+    assert f"; on {device}: Gemma4VisionPatchEmbedder: reference, Gemma4VisionPooler: reference" in line
+    assert line.endswith("; fallbacks: none")
+
+
 # A fresh process, as each SGLang process is: its plugin loader runs once there, then the classes are read.
 LOADER_PROBE = """
 import json

@@ -2,7 +2,7 @@
 hand them, for tests/integrations/test_vllm*.py.
 
 They need vLLM in an environment of its own (it brings its torch and transformers: `bash .ci/run
-tests_vllm` builds one and moves it from 0.33.0 to 0.34.0) and skip without it. Nothing is downloaded:
+tests_vllm` builds one for 0.34.0; 0.33.0 works too) and skip without it. Nothing is downloaded:
 each model's config is saved to a temporary directory vLLM reads.
 """
 

@@ -1,0 +1,144 @@
+"""The vLLM plugin's report: one line when it patches, one after the first encoding call, through vLLM's own
+logger at INFO, once per process. The lines about vLLM's model need vLLM (tests/integrations/vllm_models.py)."""
+
+import logging
+
+import pytest
+
+import fused_vision.integrations.vllm as fv
+from fused_vision import (
+    _dispatch,
+    apply_fused_vision_to_gemma4,
+    apply_fused_vision_to_vllm_gemma4,
+    revert_fused_vision_gemma4,
+    revert_fused_vision_vllm_gemma4,
+)
+from fused_vision.integrations import report
+
+from gemma4_towers import out_of_memory_above
+from helpers import reverting_to_stock
+from vllm_models import (  # noqa: F401 (the fixtures)
+    GiB,
+    gemma4_mm,
+    memory,
+    needs_vllm,
+    run,
+    tiny_model,
+    video_input,
+    vllm_process,
+)
+
+stock_after_each_test = reverting_to_stock(
+    revert_fused_vision_vllm_gemma4, revert_fused_vision_gemma4, fresh_warnings=True
+)
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record):
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture
+def lines(monkeypatch):
+    """What the plugin logs through vLLM's logger (whose own handler vLLM may keep from the root's), each
+    test in a process that has reported nothing yet."""
+    monkeypatch.setattr(report, "_LOGGED", set())
+    monkeypatch.setattr(_dispatch, "_failed", set())
+    handler, level = Lines(), fv.engine_logger.level
+    fv.engine_logger.setLevel(logging.INFO)
+    fv.engine_logger.addHandler(handler)
+    yield handler.lines
+    fv.engine_logger.removeHandler(handler)
+    fv.engine_logger.setLevel(level)
+
+
+def test_vllms_logger_is_the_one_the_report_goes_through():
+    assert fv.engine_logger.name.startswith("vllm.")
+
+
+def test_the_plugin_says_what_it_patched_once_per_process(monkeypatch, lines):
+    monkeypatch.setenv(fv.ENV_VLLM, "1")
+    monkeypatch.setenv(fv.ENV_VLLM_ENCODER, "fused")
+    fv.vllm_plugin()
+    fv.vllm_plugin()  # vLLM loads plugins once per process; a second load says nothing new
+    (line,) = lines
+    assert "Gemma4VisionPatchEmbedder -> patch_embed(backend=auto)" in line
+    assert "Gemma4VisionPooler -> pool_by_positions(backend=auto)" in line
+    if gemma4_mm is None:  # transformers' classes alone; the fused encoder is patched for vLLM's towers only
+        assert "vLLM's Gemma 4: nothing" in line and "Gemma4VisionEncoder" not in line
+        return
+    assert "Gemma4VisionEncoder -> fused_encoder(backend=auto)" in line
+    guarded = ", ".join(name for name in fv._methods(gemma4_mm.Gemma4ForConditionalGeneration) if "process" in name)
+    assert f"the chunk planner (_encoder_chunk), the out-of-memory guard ({guarded})" in line
+
+
+def test_without_the_variable_the_plugin_says_nothing(monkeypatch, lines):
+    monkeypatch.delenv(fv.ENV_VLLM, raising=False)
+    fv.vllm_plugin()
+    assert lines == []
+
+
+@needs_vllm
+@pytest.mark.parametrize("forced", [None, "reference"])
+def test_the_first_encoding_call_reports_backends_chunks_and_fallbacks(tiny_model, memory, monkeypatch, lines, forced):
+    if forced is None:
+        monkeypatch.delenv(_dispatch.ENV_BACKEND, raising=False)
+    else:
+        monkeypatch.setenv(_dispatch.ENV_BACKEND, forced)
+    apply_fused_vision_to_gemma4()
+    apply_fused_vision_to_vllm_gemma4()
+    inputs = video_input(tiny_model, [2, 3], 64, seed=3)
+    memory(64 * GiB, 128 * GiB)
+    expected = tiny_model._encoder_chunk(64, 64 * GiB, 128 * GiB, 64)
+    vllms = gemma4_mm.Gemma4ForConditionalGeneration._encoder_chunk(64, 64 * GiB, 128 * GiB, 64)
+    run(tiny_model, "_process_video_input", inputs)
+    run(tiny_model, "_process_video_input", inputs)  # the second call says nothing
+    (line,) = lines
+    backend = "triton (interpreted)" if forced is None else "reference"  # tests/conftest.py: TRITON_INTERPRET=1
+    assert line.startswith("fused_vision: Gemma 4's vision tower on cpu: ")
+    assert f"the embedder's position_embeddings (the projection is vLLM's): {backend}" in line
+    assert f"the pooler's pool_by_positions: {backend}; the encoder: stock" in line
+    method = next(name for name in fv._methods(type(tiny_model)) if "video" in name)  # 0.34: its _local half
+    chunk = f"{expected} items of 64 patches per tower call in 13107 MiB (vLLM's own: {vllms})"
+    assert f"{method}'s chunks: {chunk}; fallbacks: none" in line
+
+
+@needs_vllm
+def test_a_fallback_is_reported_with_its_reason(tiny_model, memory, monkeypatch, lines):
+    """A layer the fused encoder cannot take (a forward hook on it) runs stock code: the report says which and why."""
+    apply_fused_vision_to_gemma4()
+    apply_fused_vision_to_vllm_gemma4(encoder="fused")
+    handle = tiny_model.vision_tower.encoder.layers[0].register_forward_hook(lambda *args: None)
+    try:
+        with pytest.warns(RuntimeWarning, match="layer.s. 0 run stock code"):
+            run(tiny_model, "_process_video_input", video_input(tiny_model, [2, 3], 64, seed=4))
+    finally:
+        handle.remove()
+    (line,) = lines
+    assert "the encoder: fused, attention " in line and ", its layers triton (interpreted);" in line
+    assert "fused encoder: layer(s) 0 run stock code: the layer has forward hooks" in line.split("fallbacks: ")[1]
+
+
+@needs_vllm
+def test_an_out_of_memory_rerun_still_reports_the_first_chunk(tiny_model, memory, monkeypatch, lines):
+    apply_fused_vision_to_gemma4()
+    apply_fused_vision_to_vllm_gemma4()
+    out_of_memory_above(monkeypatch, tiny_model.vision_tower.encoder, limit=2)
+    with pytest.warns(RuntimeWarning, match="ran out of memory at 5 items"):
+        run(tiny_model, "_process_video_input", video_input(tiny_model, [2, 3], 64, seed=5))
+    (line,) = lines
+    assert "chunks: 2 items of 64 patches per tower call" in line, "the chunks of the run that answered"
+
+
+def test_a_line_that_cannot_be_composed_says_why_and_never_fails_the_call(monkeypatch, lines):
+    def broken(*args):
+        raise AttributeError("no vision_tower")
+
+    monkeypatch.setattr(fv, "_first_call_line", broken)
+    fv._report_first_call(None, "_process_image_input", None)
+    fv._report_first_call(None, "_process_image_input", None)
+    assert lines == ["fused_vision: no report of the first encoding call (AttributeError: no vision_tower)"]
