@@ -26,9 +26,11 @@ import triton
 import triton.language as tl
 
 from .common import (
+    AMD,
     ASYNC_MMA,
     SYNC_MMA,
     TORCH_TO_TL,
+    WGMMA,
     add_rounded,
     autotune_per_dtype,
     configs,
@@ -141,11 +143,11 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
         _TILE,
         [
             (128, 128, 64, 8, 3, 144, ASYNC_MMA),
-            (128, 128, 32, 8, 4, 96, ("sm_120",)),  # sm_80 to sm_89: spills (3.6, 3.9)
+            (128, 128, 32, 8, 4, 96, ("sm_12",)),  # sm_80 to sm_89: spills (3.6, 3.9)
             (64, 256, 64, 8, 3, 144, None),
             (64, 128, 64, 4, 4, 128, ASYNC_MMA),
             (128, 64, 64, 4, 4, 152, ASYNC_MMA),
-            (64, 128, 32, 4, 2, 48, ("gfx",)),  # 64 KiB of LDS: two stages, 4 wavefronts of 64
+            (64, 128, 32, 4, 2, 48, AMD),  # 64 KiB of LDS: two stages, 4 wavefronts of 64
             (128, 128, 32, 8, 2, 64, SYNC_MMA),  # the fallback: 32 KiB (64 on AMD), spill-free
         ],
     ),
@@ -154,8 +156,8 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
         [
             (128, 64, 32, 8, 3, 64, None),
             (64, 128, 32, 8, 3, 56, None),
-            (64, 64, 32, 8, 3, 40, ("sm_90", "gfx")),  # spills under mma.sync, and on sm_100a (3.6)
-            (64, 64, 64, 8, 3, 80, ("sm_86", "sm_89", "sm_90", "sm_100")),  # spills: sm_80 (3.9), sm_120 (3.6)
+            (64, 64, 32, 8, 3, 40, (WGMMA, *AMD)),  # spills under mma.sync, and on sm_100a (3.6)
+            (64, 64, 64, 8, 3, 80, (*ASYNC_MMA, "sm_86", "sm_89")),  # spills: sm_80 (3.9), sm_120 (3.6)
             (128, 64, 32, 8, 4, 88, None),
         ],
     ),
