@@ -45,21 +45,22 @@ def triton_drives(device: torch.device) -> bool:
     return device.type in _TRITON_DEVICE_TYPES or (device.type == "cpu" and interpreting())
 
 
-# The tensor-core families: what a half-precision dot becomes. The kernels' GEMM tiles are offered per family
-# (kernels/common.py), so a device no list names still gets its family's.
-MMA_SYNC, WGMMA, TCGEN05, MFMA, WMMA = "mma.sync", "wgmma", "tcgen05", "mfma", "wmma"
-FAMILIES = (MMA_SYNC, WGMMA, TCGEN05, MFMA, WMMA)
-# NVIDIA's by compute capability major: Turing to Ada, and consumer Blackwell (12.x), issue warp-wide mma.sync;
-# Hopper wgmma; data-centre Blackwell and Thor (10.x, 11.x) tcgen05. Volta's mma (7.0, 7.2) Triton dropped.
-_NVIDIA_FAMILIES = {7: MMA_SYNC, 8: MMA_SYNC, 9: WGMMA, 10: TCGEN05, 11: TCGEN05, 12: MMA_SYNC}
+# The tensor-core families: what Triton builds a half-precision dot into. The kernels' GEMM tiles are offered
+# per family (kernels/common.py), so a device no list names still gets its family's. FMA: Turing (sm_75),
+# where Triton 3.6 to 3.9 build every dot on the FMA units (no mma.sync below sm_80): fp32's tiles only.
+FMA, MMA_SYNC, WGMMA, TCGEN05, MFMA, WMMA = "fma", "mma.sync", "wgmma", "tcgen05", "mfma", "wmma"
+FAMILIES = (FMA, MMA_SYNC, WGMMA, TCGEN05, MFMA, WMMA)
+# NVIDIA's by compute capability major: Ampere, Ada and consumer Blackwell (12.x) issue warp-wide mma.sync;
+# Hopper wgmma; data-centre Blackwell and Thor (10.x, 11.x) tcgen05.
+_NVIDIA_FAMILIES = {8: MMA_SYNC, 9: WGMMA, 10: TCGEN05, 11: TCGEN05, 12: MMA_SYNC}
 
 
 def tensor_core_family(arch: str) -> str | None:
-    """The tensor-core family of an architecture as ``device_limits`` spells it ("sm_121", "gfx1201"); None
-    for one outside every family: Volta, AMD's GCN and RDNA 1-2 (no matrix cores), a future generation."""
+    """The family of an architecture as ``device_limits`` spells it ("sm_121", "gfx1201"); None for one
+    outside every family: Volta, AMD's GCN and RDNA 1-2 (no matrix cores), a generation not yet released."""
     if nvidia := re.fullmatch(r"sm_(\d+)(\d)[af]?", arch):
         major, minor = int(nvidia.group(1)), int(nvidia.group(2))
-        return None if (major, minor) < (7, 5) else _NVIDIA_FAMILIES.get(major)
+        return FMA if (major, minor) == (7, 5) else _NVIDIA_FAMILIES.get(major)
     if arch in ("gfx908", "gfx90a") or re.fullmatch(r"gfx9[4-9a-f][0-9a-f]", arch):  # CDNA 1 to 4 and after
         return MFMA
     if re.fullmatch(r"gfx1[12][0-9a-f]{2}", arch):  # RDNA 3, 3.5 and 4
@@ -70,7 +71,7 @@ def tensor_core_family(arch: str) -> str | None:
 @dataclass(frozen=True)
 class DeviceLimits:
     """What a launcher's tile choice depends on, as the device reports it: its architecture, and so its
-    tensor-core family and the dtypes those take, and the shared memory (LDS) one block may use."""
+    family and the dtypes its tiles serve, and the shared memory (LDS) one block may use."""
 
     arch: str  # "sm_90", "gfx942"
     shared_memory: int  # bytes, the opt-in maximum per block
@@ -80,11 +81,11 @@ class DeviceLimits:
         return tensor_core_family(self.arch)
 
     def multiplies(self, dtype: torch.dtype) -> bool:
-        """Whether its dots take ``dtype`` operands: float32 on the FMA units of any family (ieee dots),
-        fp16 on every family's tensor cores, bf16 on all but Turing's (sm_75: bf16 arrived with sm_80)."""
+        """Whether its GEMM tiles serve ``dtype``: float32 (ieee dots, on the FMA units) in every family,
+        bf16 and fp16 where Triton builds their dots into tensor-core instructions (not Turing)."""
         if self.family is None:
             return False
-        return dtype != torch.bfloat16 or not self.arch.startswith("sm_7")
+        return dtype == torch.float32 or self.family != FMA
 
 
 @functools.cache
@@ -113,7 +114,7 @@ def untiled(gpu_configs: Callable, dtype: torch.dtype, device: torch.device) -> 
         families = ", ".join(FAMILIES)
         return f"has no tile for {limits.arch}, outside every tensor-core family its tiles are built for ({families})"
     if not limits.multiplies(dtype):
-        return f"has no {dtype} tile for {limits.arch}, whose tensor cores take no {dtype}"
+        return f"has no {dtype} tile for {limits.arch}, where Triton builds its dots on the FMA units"
     return f"has no {dtype} tile within the {limits.shared_memory // 1024} KiB of shared memory of {limits.arch}"
 
 

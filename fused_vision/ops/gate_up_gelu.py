@@ -30,7 +30,7 @@ def _triton(y, weight, clamps):
     from ..kernels.gate_up_gelu import gpu_configs
 
     # ieee dots in a Triton GEMM lose to cuBLAS's fp32 GEMM: it stays. So does the GEMM of a device without a
-    # tile for the dtype (Turing's bf16, which its tensor cores do not take: bench/NOTES.md's prediction).
+    # tile for the dtype (a T4, whose tensor cores cuBLAS uses and Triton does not: bench/NOTES.md).
     why = None if y.dtype == torch.float32 else untiled(gpu_configs, y.dtype, y.device)
     if y.dtype == torch.float32 or why:
         from ..kernels.gelu_gate import gelu_gate as launch_gate  # inputs checked here: the launcher alone

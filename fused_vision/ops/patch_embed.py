@@ -161,7 +161,7 @@ def patch_embed(
         (B, N, D) in the weight's dtype. Padding rows hold what stock writes there: the projection of
         their (prescaled) pixels, with no position embedding added. Differentiable in all three
         floating inputs; the pixels' gradient is computed only when they require one. A device with no
-        kernel tile for the weight's dtype (a T4's bf16: docs/compatibility.md) runs the reference under
+        kernel tile for the weight's dtype (a T4's bf16 and fp16: docs/compatibility.md) runs the reference under
         "auto", warned once; ``backend="triton"`` raises there.
     """
     _check_inputs(pixel_values, weight, table, position_ids, padding_positions)
