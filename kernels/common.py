@@ -69,7 +69,6 @@ def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]
 # mma.sync's own operand registers make it spill.
 ASYNC_MMA = (WGMMA, TCGEN05)
 SYNC_MMA = (MMA_SYNC, MFMA, WMMA)  # the others: mma.sync, and AMD's MFMA and WMMA
-AMD = (MFMA, WMMA)
 
 
 def configs(names: tuple[str, str, str], tiles) -> list[tuple[triton.Config, int, tuple[str, ...] | None]]:
