@@ -65,6 +65,20 @@ def test_every_family_gets_tiles(target, kernel):
             assert set(offered) <= set(gpu_configs(dtype)), dtype
 
 
+def test_the_build_matrix_lists_turing_half_precision_as_fallbacks():
+    """bench/tools/build_matrix.py fails a (target, dtype) whose dots take the dtype and get no GEMM tile, and
+    lists the ones no tensor-core dot serves as the ops' fallbacks: here, Turing's bf16 and fp16 alone."""
+    import build_matrix
+
+    failures, fallbacks = build_matrix.unserved(list(TARGETS.values()))
+    assert failures == []
+    assert fallbacks == [
+        f"sm_75: fused_vision.kernels.{kernel} offers no {dtype} candidate"
+        for kernel in ("patch_embed", "gate_up_gelu")
+        for dtype in ("bfloat16", "float16")
+    ]
+
+
 @pytest.mark.parametrize("name", UNNAMED, ids=str)
 def test_an_unnamed_device_gets_its_familys_tiles(name):
     limits, named = UNNAMED[name]
