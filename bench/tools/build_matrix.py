@@ -24,10 +24,10 @@ An autotune candidate the launcher does not offer on a target (kernels/common.py
 shared memory) is listed there unbuilt: no GPU of that target runs it, and its builds (the GEMM tiles, the
 slowest) were a quarter of the matrix. Exits 1 on any failure, or where a target whose dots take a dtype is
 offered no GEMM candidate for it; one whose dots do not (Turing's bf16 and fp16, which Triton builds on the
-FMA units) is listed as the op's fallback. CI (`bash .ci/run build_matrix`) runs every target with the newest
-supported Triton (3.9) and one target per family with the oldest (3.6), which keeps the stage near its former
-11 minutes on two cores (docs/install.md). Must run without TRITON_INTERPRET (it changes what @triton.jit
-builds).
+FMA units) is listed as the op's fallback. CI (`bash .ci/run build_matrix`) runs every target but RDNA's with
+the newest supported Triton (3.9) and one per family, RDNA's among them, with the oldest (3.6): as many builds
+as before the eight new targets (docs/install.md). Must run without TRITON_INTERPRET (it changes what
+@triton.jit builds).
 """
 
 import argparse
