@@ -8,7 +8,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import DeviceLimits, device_limits
+from .._dispatch import MFMA, MMA_SYNC, TCGEN05, WGMMA, WMMA, DeviceLimits, device_limits
 from .._interpreter import hardware_arithmetic
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -77,34 +77,40 @@ def gather_launch_config(hidden: int, interpreted: bool) -> tuple[int, int, int]
     return 32, min(128, triton.next_power_of_2(hidden)), 4
 
 
-# The architectures whose tensor cores take operand A from registers (wgmma, tcgen05): there a big tile's
-# fp32 pixel prologue fits in registers, where mma.sync's own operand registers make it spill.
-ASYNC_MMA = ("sm_90", "sm_100")
-SYNC_MMA = ("sm_80", "sm_86", "sm_89", "sm_120", "gfx")  # the others: mma.sync, and AMD's MFMA
+# Where a tile is offered: tensor-core families (every device of one, named or not), or an architecture
+# prefix for a generation within a family whose builds differ from the family's others.
+# wgmma and tcgen05 take operand A from registers: there a big tile's fp32 pixel prologue fits in them, where
+# mma.sync's own operand registers make it spill.
+ASYNC_MMA = (WGMMA, TCGEN05)
+SYNC_MMA = (MMA_SYNC, MFMA, WMMA)  # the others: mma.sync, and AMD's MFMA and WMMA
 
 
 def configs(names: tuple[str, str, str], tiles) -> list[tuple[triton.Config, int, tuple[str, ...] | None]]:
-    """(triton.Config, shared memory, architectures) from (block, block, block, num_warps, num_stages, KiB,
-    architectures) rows, blocks named by ``names``. KiB: the most shared memory (LDS) the tile takes on any
-    architecture; architectures: the prefixes of those it is offered on, None for every one
+    """(triton.Config, shared memory, where) from (block, block, block, num_warps, num_stages, KiB, where)
+    rows, blocks named by ``names``. KiB: the most shared memory (LDS) the tile takes on any architecture;
+    where: the families and architecture prefixes it is offered on, None for every family
     (bench/tools/build_matrix.py checks that each offered tile builds, fits and does not spill there)."""
     return [
-        (triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s), kib * 1024, archs)
-        for *blocks, w, s, kib, archs in tiles
+        (triton.Config(dict(zip(names, blocks)), num_warps=w, num_stages=s), kib * 1024, where)
+        for *blocks, w, s, kib, where in tiles
     ]
 
 
-def offered(limits: DeviceLimits | None, shared: int, archs: tuple[str, ...] | None) -> bool:
-    """Whether a tile needing ``shared`` bytes on ``archs`` runs on a device with ``limits`` (any, for None)."""
+def offered(limits: DeviceLimits | None, dtype: torch.dtype, shared: int, where: tuple[str, ...] | None) -> bool:
+    """Whether a tile needing ``shared`` bytes, offered ``where``, runs ``dtype`` on a device with ``limits``:
+    every tile for None (no limits to read); none on a device whose dots do not take ``dtype`` or that lies
+    outside every family, whose builds no one has checked (``fused_vision._dispatch.untiled``)."""
     if limits is None:
         return True
-    return shared <= limits.shared_memory and (archs is None or limits.arch.startswith(archs))
+    if not limits.multiplies(dtype) or shared > limits.shared_memory:
+        return False
+    return where is None or limits.family in where or limits.arch.startswith(tuple(where))
 
 
 def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp32: list):
     """``kernel`` autotuned over the candidates of one operand's dtype: ``half`` for bf16 and fp16,
     ``fp32`` for float32, whose ieee dots need smaller tiles to stay spill-free; on each device only
-    those it has the shared memory and the architecture for (``configs``' rows).
+    those it has the shared memory, the tensor-core family and the dtype for (``configs``' rows).
 
     Returns the autotuner, tuning each key once (``TunedOnce``), and ``gpu_configs(dtype, limits=None)``, the
     candidates it offers for a dtype on a device with those limits (every one for ``None``).
@@ -112,7 +118,7 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
 
     def gpu_configs(dtype: torch.dtype, limits: DeviceLimits | None = None) -> list[triton.Config]:
         tiles = fp32 if dtype == torch.float32 else half
-        return [config for config, shared, archs in tiles if offered(limits, shared, archs)]
+        return [config for config, shared, where in tiles if offered(limits, dtype, shared, where)]
 
     def candidates(configs, named_args, **kwargs):
         operand = named_args[dtype_of]

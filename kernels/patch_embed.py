@@ -25,9 +25,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .._dispatch import FMA, MFMA, MMA_SYNC, WGMMA, WMMA
 from .common import (
     ASYNC_MMA,
-    SYNC_MMA,
     TORCH_TO_TL,
     autotune_per_dtype,
     configs,
@@ -127,6 +127,7 @@ def _patch_embed_kernel(
 # call's row count, which then serves every size: a key on the row count would time candidates at sizes
 # first seen inside a CUDA graph capture.
 _TILE = ("BLOCK_M", "BLOCK_D", "BLOCK_K")
+NOT_WMMA = (FMA, MMA_SYNC, *ASYNC_MMA, MFMA)  # fp32 tiles that spill on WMMA's waves of 32 (gfx1100, 3.6)
 # Meta-parameters that follow from a config and the call: the tools that build a launch apply them too.
 HEURISTICS = {"FULL_ROWS": lambda args: args["num_rows"] >= args["BLOCK_M"]}
 _patch_embed_tuned, gpu_configs = autotune_per_dtype(
@@ -137,22 +138,27 @@ _patch_embed_tuned, gpu_configs = autotune_per_dtype(
         _TILE,
         [
             (128, 128, 64, 8, 3, 144, ASYNC_MMA),
-            (128, 128, 32, 8, 4, 96, ("sm_120",)),  # sm_80 to sm_89: spills (3.6, 3.9)
+            (128, 128, 32, 8, 4, 96, ("sm_12",)),  # sm_80 to sm_89: spills (3.6, 3.9)
             (64, 256, 64, 8, 3, 144, None),
             (64, 128, 64, 4, 4, 128, ASYNC_MMA),
             (128, 64, 64, 4, 4, 152, ASYNC_MMA),
-            (64, 128, 32, 4, 2, 48, ("gfx",)),  # 64 KiB of LDS: two stages, 4 wavefronts of 64
-            (128, 128, 32, 8, 2, 64, SYNC_MMA),  # the fallback: 32 KiB (64 on AMD), spill-free
+            (64, 128, 32, 4, 2, 48, (MFMA,)),  # 64 KiB of LDS: two stages, 4 wavefronts of 64
+            (128, 128, 32, 8, 2, 64, (MMA_SYNC, MFMA)),  # the fallback: 32 KiB (64 on AMD), spill-free
+            # WMMA's waves of 32 hold more of a tile each: both tiles above spill on gfx1100 (3.6).
+            (64, 128, 32, 8, 2, 16, (WMMA,)),
+            (64, 64, 32, 8, 2, 12, (WMMA,)),
         ],
     ),
     fp32=configs(
         _TILE,
         [
-            (128, 64, 32, 8, 3, 64, None),
-            (64, 128, 32, 8, 3, 56, None),
-            (64, 64, 32, 8, 3, 40, ("sm_90", "gfx")),  # spills under mma.sync, and on sm_100a (3.6)
-            (64, 64, 64, 8, 3, 80, ("sm_86", "sm_89", "sm_90", "sm_100")),  # spills: sm_80 (3.9), sm_120 (3.6)
-            (128, 64, 32, 8, 4, 88, None),
+            (128, 64, 32, 8, 3, 64, NOT_WMMA),
+            (64, 128, 32, 8, 3, 56, NOT_WMMA),
+            (64, 64, 32, 8, 3, 40, (WGMMA, MFMA)),  # spills under mma.sync, on sm_100a (3.6) and gfx1201 (3.9)
+            (64, 64, 64, 8, 3, 80, (*ASYNC_MMA, "sm_86", "sm_89")),  # spills: sm_80 (3.9), sm_120 (3.6)
+            (128, 64, 32, 8, 4, 88, NOT_WMMA),
+            (64, 64, 32, 8, 2, 16, (WMMA,)),
+            (32, 64, 32, 8, 2, 12, (WMMA,)),
         ],
     ),
 )

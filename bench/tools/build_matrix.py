@@ -4,25 +4,30 @@ with no GPU, and check what each build costs there.
     python bench/tools/build_matrix.py [--targets sm_80,gfx942,...] [--fp-fusion] [--out DIR] [--jobs N]
     python bench/tools/build_matrix.py --markdown DIR     the table of DIR's CSVs, one per Triton
 
-Targets (bench/tools/targets.py): sm_80, sm_86, sm_89, sm_90a, sm_100a, sm_120, gfx942 and gfx90a. Triton
-lowers to PTX or AMDGCN on any machine and assembles it with its bundled ptxas or LLVM: registers and
-spills are read off ptxas -v's log (NVIDIA) or the code object's metadata (AMD: VGPRs, scratch, SGPR
-spills), so they are the binary's a GPU would load, built by the Triton in use (allocation changes between
-releases). A launch (bench/tools/launches.py) fails a target when the launcher offers it there and it:
+Targets (bench/tools/targets.py), one or more per family: sm_75 (FMA: Triton builds no tensor-core dot there);
+sm_80, sm_86, sm_87, sm_89, sm_120 and sm_121 (mma.sync); sm_90a (wgmma); sm_100a, sm_103a and sm_110a
+(tcgen05); gfx90a, gfx942 and gfx950 (MFMA); gfx1100 and gfx1201 (WMMA). A target the running Triton's
+compilers cannot build for is skipped, saying so (sm_110a before Triton 3.7). Triton lowers to PTX or AMDGCN
+on any machine and assembles it with its bundled ptxas or LLVM: registers and spills are read off ptxas -v's
+log (NVIDIA) or the code object's metadata (AMD: VGPRs, scratch, SGPR spills), so they are the binary's a GPU
+would load, built by the Triton in use (allocation changes between releases). A launch
+(bench/tools/launches.py) fails a target when the launcher offers it there and it:
 - does not compile;
 - spills registers to memory (AMD's SGPR spills into VGPR lanes are reported, not failed);
 - takes more shared memory (LDS) than one block may use there;
 - leaves fewer warps resident than its kernel's occupancy floor (FLOORS);
-- is the bf16/fp16 embedder and misses the target's tensor cores (wgmma on sm_90a, tcgen05 on sm_100a,
-  mma.sync on the others, MFMA on AMD): that would cap it far below the GEMM floor;
+- is a bf16/fp16 GEMM and misses the target's tensor cores (wgmma, tcgen05, mma.sync, MFMA or WMMA): that
+  would cap it far below the GEMM floor;
 - with --fp-fusion, on sm_90a: built again with fp fusion flipped, holds a different fma count in its PTX
   (fused, a * b + c rounds once; Triton 3.10 stops fusing by default).
-An autotune candidate the launcher does not offer on a target (kernels/common.py prunes by shared memory)
-is listed there unbuilt: no GPU of that target runs it, and its builds (the GEMM tiles, the slowest)
-were a quarter of the matrix. Exits 1 on any failure, or where a target is offered no
-candidate. CI (`bash .ci/run build_matrix`) runs every target with the oldest and newest supported Triton
-(3.6 and 3.9), and sm_90a and gfx942 with the two between, which keeps the stage near 11 minutes on two
-cores. Must run without TRITON_INTERPRET (it changes what @triton.jit builds).
+An autotune candidate the launcher does not offer on a target (kernels/common.py prunes by family, dtype and
+shared memory) is listed there unbuilt: no GPU of that target runs it, and its builds (the GEMM tiles, the
+slowest) were a quarter of the matrix. Exits 1 on any failure, or where a target whose dots take a dtype is
+offered no GEMM candidate for it; one whose dots do not (Turing's bf16 and fp16, which Triton builds on the
+FMA units) is listed as the op's fallback. CI (`bash .ci/run build_matrix`) runs every target but RDNA's with
+the newest supported Triton (3.9) and one per family, RDNA's among them, with the oldest (3.6): as many builds
+as before the eight new targets (docs/install.md). Must run without TRITON_INTERPRET (it changes what
+@triton.jit builds).
 """
 
 import argparse
@@ -192,17 +197,19 @@ def failed(row: dict) -> bool:
     return row["offered"] and row["status"] != "ok"
 
 
-def unserved(targets: list[Target]) -> list[str]:
+def unserved(targets: list[Target]) -> tuple[list[str], list[str]]:
     """Each (target, dtype) for which an autotuned GEMM (the embedder; the gate/up GEMM in bf16 and fp16)
-    would be offered no candidate."""
+    would be offered no candidate: failures where the target's dots take the dtype, and the ops' fallbacks
+    (``fused_vision._dispatch.untiled``) where they do not."""
     gemms = [(patch_embed, DTYPES), (gate_up_gelu, (torch.bfloat16, torch.float16))]
-    return [
-        f"{target.name}: {module.__name__} offers no {name(dtype)} candidate"
-        for module, dtypes in gemms
-        for target in targets
-        for dtype in dtypes
-        if not module.gpu_configs(dtype, target.limits)
-    ]
+    failures, fallbacks = [], []
+    for module, dtypes in gemms:
+        for target in targets:
+            for dtype in dtypes:
+                if not module.gpu_configs(dtype, target.limits):
+                    line = f"{target.name}: {module.__name__} offers no {name(dtype)} candidate"
+                    (failures if target.limits.multiplies(dtype) else fallbacks).append(line)
+    return failures, fallbacks
 
 
 def markdown(folder: Path) -> str:
@@ -259,6 +266,10 @@ def main() -> int:
     if interpreting():
         sys.exit("build_matrix: unset TRITON_INTERPRET; the interpreter's @triton.jit builds nothing to compile")
     targets = [TARGETS[name] for name in args.targets.split(",")]
+    version = tuple(int(part) for part in triton.__version__.split(".")[:2])
+    for target in [target for target in targets if version < target.oldest_triton]:
+        print(f"build_matrix: Triton {triton.__version__} cannot build for {target.name}: skipped")
+        targets.remove(target)
     chosen = [launch for launch in launches() if not args.kernels or launch.kernel in args.kernels.split(",")]
     _TASKS[:] = [(target, launch, args.fp_fusion) for target in targets for launch in chosen]
     rows = []
@@ -273,13 +284,15 @@ def main() -> int:
                 flush=True,
             )
     problems = [f"{r['target']} {r['kernel']} {r['variant']}: {r['status']}" for r in rows if failed(r)]
-    problems += unserved(targets)
+    failures, fallbacks = unserved(targets)
+    problems += failures
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         with open(args.out / f"build_matrix-{triton.__version__}.csv", "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=FIELDS)
             writer.writeheader()
             writer.writerows(rows)
+    print("\n".join(f"{line}: no tensor-core dot takes it there, the op falls back" for line in fallbacks))
     print(f"build_matrix: Triton {triton.__version__}, {len(rows)} builds, {len(problems)} failures")
     print("\n".join(problems))
     return 1 if problems else 0

@@ -55,7 +55,10 @@ GATE_FRACTION = 0.5
 HGMMA_GATE = 48
 DEFAULT_TARGETS = ("sm_90a", "sm_100a", "sm_80")
 GATED_TARGET = "sm_90a"
-TENSOR_CORE = {"sm_90a": "HGMMA", "sm_100a": "UTCHMMA|UTCQMMA|UTCMMA", "sm_80": "HMMA"}
+# The SASS of each tensor-core family: HGMMA (wgmma), UTC*MMA (tcgen05), HMMA (mma.sync).
+TCGEN05_SASS = "UTCHMMA|UTCQMMA|UTCMMA"
+TENSOR_CORE = {"sm_90a": "HGMMA", "sm_100a": TCGEN05_SASS, "sm_103a": TCGEN05_SASS, "sm_110a": TCGEN05_SASS}
+TENSOR_CORE |= dict.fromkeys(("sm_75", "sm_80", "sm_86", "sm_87", "sm_89", "sm_120", "sm_121"), "HMMA")
 
 ROWS = 32 * 2520  # image 32x280
 POSITIONS = 10240

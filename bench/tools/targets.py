@@ -26,6 +26,16 @@ KIB = 1024
 
 
 @dataclass(frozen=True)
+class AmdRegisters:
+    """How an AMD compute unit shares its vector registers among the wavefronts resident on it."""
+
+    vgprs_per_lane: int  # per SIMD lane, shared by its waves (arch VGPRs and AGPRs together on CDNA)
+    granule: int  # VGPRs are allocated in units of this many
+    waves_per_simd: int
+    simds_per_cu: int
+
+
+@dataclass(frozen=True)
 class Target:
     name: str
     target: GPUTarget
@@ -33,6 +43,8 @@ class Target:
     shared_per_sm: int  # bytes all resident blocks of one SM (CU) share
     max_warps: int  # resident warps per SM, wavefronts per CU
     tensor_core: str  # what a half-precision dot must become: a pattern in the PTX or AMDGCN
+    amd_registers: AmdRegisters | None = None
+    oldest_triton: tuple[int, int] = (3, 6)  # the oldest Triton whose compilers build for it, of those checked
 
     @property
     def amd(self) -> bool:
@@ -45,7 +57,7 @@ class Target:
         return DeviceLimits(arch, self.shared_per_block)
 
 
-def nvidia(name, capability, shared_per_block_kib, shared_per_sm_kib, max_warps, tensor_core):
+def nvidia(name, capability, shared_per_block_kib, shared_per_sm_kib, max_warps, tensor_core, oldest_triton=(3, 6)):
     return Target(
         name,
         GPUTarget("cuda", capability, 32),
@@ -53,13 +65,23 @@ def nvidia(name, capability, shared_per_block_kib, shared_per_sm_kib, max_warps,
         shared_per_sm_kib * KIB,
         max_warps,
         tensor_core,
+        oldest_triton=oldest_triton,
     )
 
 
-def amd(name):
-    return Target(name, GPUTarget("hip", name, 64), 64 * KIB, 64 * KIB, 4 * 8, r"v_mfma_f32_")
+def amd(name, lds_kib, wave, vgprs_per_lane, vgpr_granule, waves_per_simd, simds_per_cu, tensor_core):
+    return Target(
+        name,
+        GPUTarget("hip", name, wave),
+        lds_kib * KIB,
+        lds_kib * KIB,
+        simds_per_cu * waves_per_simd,
+        tensor_core,
+        AmdRegisters(vgprs_per_lane, vgpr_granule, waves_per_simd, simds_per_cu),
+    )
 
 
+MFMA, WMMA = r"v_mfma_f32_", r"v_wmma_f32_"
 TARGETS = {
     t.name: t
     for t in (
@@ -69,15 +91,23 @@ TARGETS = {
         nvidia("sm_90a", 90, 227, 228, 64, r"wgmma\.mma_async"),
         nvidia("sm_100a", 100, 227, 228, 64, r"tcgen05\.mma"),
         nvidia("sm_120", 120, 99, 100, 48, r"mma\.sync\.aligned"),
-        amd("gfx942"),
-        amd("gfx90a"),
+        amd("gfx942", 64, 64, 512, 8, 8, 4, MFMA),
+        amd("gfx90a", 64, 64, 512, 8, 8, 4, MFMA),
+        nvidia("sm_75", 75, 64, 64, 32, r"mma\.sync\.aligned"),
+        nvidia("sm_87", 87, 163, 164, 48, r"mma\.sync\.aligned"),
+        nvidia("sm_103a", 103, 227, 228, 64, r"tcgen05\.mma"),
+        # Triton 3.6's ptxas (CUDA 12.9) knows Thor as sm_101 only; sm_110 arrived with CUDA 13.
+        nvidia("sm_110a", 110, 227, 228, 48, r"tcgen05\.mma", oldest_triton=(3, 7)),
+        nvidia("sm_121", 121, 99, 100, 48, r"mma\.sync\.aligned"),
+        amd("gfx950", 160, 64, 512, 8, 8, 4, MFMA),
+        amd("gfx1100", 64, 32, 1536, 24, 16, 2, WMMA),
+        amd("gfx1201", 64, 32, 1536, 24, 16, 2, WMMA),
     )
 }
 
 REGISTERS_PER_SM = 64 * KIB  # 32-bit registers, every NVIDIA architecture above
 REGISTERS_PER_WARP_GRANULE = 256  # ptxas allocates a warp's registers in 256-register units
 RESERVED_SHARED_PER_BLOCK = KIB
-VGPRS_PER_SIMD_LANE, VGPR_GRANULE, WAVES_PER_SIMD, SIMDS_PER_CU = 512, 8, 8, 4
 
 
 @dataclass(frozen=True)
@@ -111,9 +141,10 @@ def amdgcn_resources(amdgcn: str, shared: int) -> Resources:
 def occupancy(target: Target, resources: Resources, num_warps: int) -> float:
     """Resident warps (wavefronts) per SM (CU) over the most it can hold, from registers and shared memory."""
     if target.amd:
-        vgprs = math.ceil(resources.registers / VGPR_GRANULE) * VGPR_GRANULE
-        waves_per_simd = min(WAVES_PER_SIMD, VGPRS_PER_SIMD_LANE // max(vgprs, 1))
-        by_registers = waves_per_simd // math.ceil(num_warps / SIMDS_PER_CU)  # a workgroup spans the 4 SIMDs
+        cu = target.amd_registers
+        vgprs = math.ceil(resources.registers / cu.granule) * cu.granule
+        waves_per_simd = min(cu.waves_per_simd, cu.vgprs_per_lane // max(vgprs, 1))
+        by_registers = waves_per_simd // math.ceil(num_warps / cu.simds_per_cu)  # a workgroup spans the SIMDs
         by_shared = target.shared_per_sm // max(resources.shared, 1)
     else:
         per_warp = math.ceil(resources.registers * 32 / REGISTERS_PER_WARP_GRANULE) * REGISTERS_PER_WARP_GRANULE

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import reference
-from .._dispatch import dispatch, route
+from .._dispatch import dispatch, route, untiled, warn_once
 from .._validation import FLOAT_DTYPES, check_clamps, check_same_device, check_tensor
 from ._recompute import reference_grads
 
@@ -26,11 +26,18 @@ def _check_inputs(y, weight, clamps):
 
 
 def _triton(y, weight, clamps):
-    if y.dtype == torch.float32:  # ieee dots in a Triton GEMM lose to cuBLAS's fp32 GEMM: it stays
+    from ..kernels.gate_up_gelu import gate_up_gelu as launch
+    from ..kernels.gate_up_gelu import gpu_configs
+
+    # ieee dots in a Triton GEMM lose to cuBLAS's fp32 GEMM: it stays. So does the GEMM of a device without a
+    # tile for the dtype (a T4, whose tensor cores cuBLAS uses and Triton does not: bench/NOTES.md).
+    why = None if y.dtype == torch.float32 else untiled(gpu_configs, y.dtype, y.device)
+    if y.dtype == torch.float32 or why:
         from ..kernels.gelu_gate import gelu_gate as launch_gate  # inputs checked here: the launcher alone
 
+        if why:
+            warn_once(f"fused_vision.gate_up_gelu: its kernel {why}: cuBLAS's GEMM and the gate kernel run it", 4)
         return launch_gate(F.linear(y, weight), clamps)
-    from ..kernels.gate_up_gelu import gate_up_gelu as launch
 
     rows = launch(y.reshape(-1, y.shape[-1]).contiguous(), weight.contiguous(), clamps)
     return rows.view(*y.shape[:-1], weight.shape[0] // 2)
@@ -82,8 +89,9 @@ def gate_up_gelu(
     Returns:
         A new contiguous (..., I) tensor in y's dtype, down_proj's input: ``gelu_gate(F.linear(y, weight),
         clamps)`` up to the GEMM's summation order (each accumulator rounds to the dtype, as the linears'
-        outputs, before the gate). bf16 and fp16 run one Triton GEMM whose epilogue is the gate; float32
-        runs cuBLAS's GEMM and the gate kernel. Differentiable in y and weight.
+        outputs, before the gate). bf16 and fp16 run one Triton GEMM whose epilogue is the gate; float32,
+        and a dtype the device has no tile for (docs/compatibility.md), run cuBLAS's GEMM and the gate
+        kernel, the latter warned once. Differentiable in y and weight.
     """
     _check_inputs(y, weight, clamps)
     return route(

@@ -5,7 +5,7 @@ import contextlib
 import torch
 
 from .. import reference
-from .._dispatch import dispatch, route
+from .._dispatch import dispatch, route, untiled
 from .._validation import (
     FLOAT_DTYPES,
     check_ids_and_padding,
@@ -59,6 +59,12 @@ def _triton(pixel_values, weight, table, position_ids, padding_positions):
     return out
 
 
+def _untiled(pixel_values, weight, table, position_ids, padding_positions):
+    from ..kernels.patch_embed import gpu_configs
+
+    return untiled(gpu_configs, weight.dtype, weight.device)
+
+
 def _reference(pixel_values, weight, table, position_ids, padding_positions):
     check_position_ids_range(position_ids, table.shape[1])  # before: the reference indexes with the ids
     # The op projects in the weight's dtype on every backend: autocast must not recast the reference's linear.
@@ -80,6 +86,7 @@ def _forward(pixel_values, weight, table, position_ids, padding_positions, backe
         table,
         position_ids,
         padding_positions,
+        untiled_by=_untiled,
     )
 
 
@@ -153,7 +160,9 @@ def patch_embed(
     Returns:
         (B, N, D) in the weight's dtype. Padding rows hold what stock writes there: the projection of
         their (prescaled) pixels, with no position embedding added. Differentiable in all three
-        floating inputs; the pixels' gradient is computed only when they require one.
+        floating inputs; the pixels' gradient is computed only when they require one. A device with no
+        kernel tile for the weight's dtype (a T4's bf16 and fp16: docs/compatibility.md) runs the reference under
+        "auto", warned once; ``backend="triton"`` raises there.
     """
     _check_inputs(pixel_values, weight, table, position_ids, padding_positions)
     if padding_positions is None:
