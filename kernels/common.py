@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import MFMA, MMA_SYNC, TCGEN05, WGMMA, WMMA, DeviceLimits, device_limits
+from .. import _device
+from .._device import MFMA, MMA_SYNC, TCGEN05, WGMMA, WMMA, DeviceLimits
 from .._interpreter import hardware_arithmetic
 
 TORCH_TO_TL = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -122,7 +123,7 @@ def autotune_per_dtype(kernel, *, key: list[str], dtype_of: str, half: list, fp3
 
     def candidates(configs, named_args, **kwargs):
         operand = named_args[dtype_of]
-        return gpu_configs(operand.dtype, device_limits(operand.device))
+        return gpu_configs(operand.dtype, _device.device_limits(operand.device))
 
     every = [config for config, _, _ in half + fp32]
     tuned = triton.autotune(configs=every, key=key, prune_configs_by={"early_config_prune": candidates})(kernel)

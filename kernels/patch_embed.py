@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .._dispatch import FMA, MFMA, MMA_SYNC, WGMMA, WMMA
+from .._device import FMA, MFMA, MMA_SYNC, WGMMA, WMMA
 from .common import (
     ASYNC_MMA,
     TORCH_TO_TL,

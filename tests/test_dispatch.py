@@ -9,7 +9,7 @@ import torch
 import torch.autograd.forward_ad as fwAD
 
 import fused_vision
-from fused_vision import _dispatch
+from fused_vision import _device, _dispatch
 from fused_vision.encoder import varlen
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
@@ -154,16 +154,16 @@ def rocm_gfx942(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
-    _dispatch._cuda_device_limits.cache_clear()
+    _device._cuda_device_limits.cache_clear()
     yield
-    _dispatch._cuda_device_limits.cache_clear()
+    _device._cuda_device_limits.cache_clear()
 
 
 def test_rocm_runs_the_kernels_with_tiles_that_fit_its_lds(rocm_gfx942):
     gpu = torch.device("cuda", 0)
     assert _dispatch.resolve_backend("auto", gpu) == "auto"
-    limits = _dispatch.device_limits(gpu)
-    assert limits == _dispatch.DeviceLimits("gfx942", 65536)
+    limits = _device.device_limits(gpu)
+    assert limits == _device.DeviceLimits("gfx942", 65536)
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         offered = patch_embed_kernels.gpu_configs(dtype, limits)
         assert offered and set(offered) <= set(patch_embed_kernels.gpu_configs(dtype)), dtype
@@ -191,7 +191,7 @@ def test_nvidia_embedder_tiles_per_architecture(arch, shared, expected):
     """Hopper and Blackwell keep every 64-deep big tile (32-deep ones issue over 48 instructions per HGMMA:
     bench/tools/speed_of_light.py); mma.sync's architectures only those that neither spill nor overflow
     there (bench/tools/build_matrix.py's findings), and the two-stage tile."""
-    offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _dispatch.DeviceLimits(arch, shared))
+    offered = patch_embed_kernels.gpu_configs(torch.bfloat16, _device.DeviceLimits(arch, shared))
     tiles = {(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_D"], c.kwargs["BLOCK_K"], c.num_stages) for c in offered}
     assert tiles == expected
 

@@ -1,6 +1,6 @@
 """The package's layout: the plugins' entry points name modules that exist and load first, and no module of
-fused_vision imports itself back, as it loads or later (an import inside a function closes a cycle too,
-only later)."""
+fused_vision or its kernels imports itself back, as it loads or later (an import inside a function closes a
+cycle too, only later)."""
 
 import ast
 import importlib
@@ -11,9 +11,11 @@ from pathlib import Path
 import pytest
 
 import fused_vision
+import fused_vision.kernels
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = Path(fused_vision.__file__).parent
+KERNELS = Path(fused_vision.kernels.__path__[0])
 
 
 def test_the_plugins_import_first_in_a_fresh_process():
@@ -35,8 +37,16 @@ def test_the_entry_points_name_the_plugins():
 
 
 def module_name(path: Path) -> str:
+    if path.parent == KERNELS:  # kernels/ installs as fused_vision.kernels, wherever it lies
+        return f"fused_vision.kernels.{path.stem}"
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def package_modules() -> dict[str, Path]:
+    """Every module of fused_vision, its kernels included, by name."""
+    paths = [*PACKAGE.rglob("*.py"), *KERNELS.glob("*.py")]
+    return {module_name(path): path for path in paths}
 
 
 def imports(path: Path, modules: set[str]) -> set[str]:
@@ -62,7 +72,7 @@ def imports(path: Path, modules: set[str]) -> set[str]:
 
 def import_cycle() -> list[str] | None:
     """A cycle in the graph of fused_vision's imports, as its modules in order; None where there is none."""
-    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    paths = package_modules()
     graph = {name: imports(path, set(paths)) for name, path in paths.items()}
     done, stack = set(), []
 
@@ -87,7 +97,7 @@ def test_no_module_imports_itself_back():
 
 def test_the_encoder_imports_no_integration():
     """``encoder/`` computes; the integrations patch its calls in and hand it its backend, never the reverse."""
-    paths = {module_name(path): path for path in PACKAGE.rglob("*.py")}
+    paths = package_modules()
     for name, path in paths.items():
         if name.startswith("fused_vision.encoder"):
             reached = {module for module in imports(path, set(paths)) if module.startswith("fused_vision.integrations")}

@@ -14,7 +14,7 @@ import torch
 import triton
 
 from fused_vision import reference
-from fused_vision._dispatch import DeviceLimits
+from fused_vision._device import DeviceLimits
 from fused_vision.kernels import gate_up_gelu as gate_up_gelu_kernels
 from fused_vision.kernels import gelu_gate as gelu_gate_kernels
 from fused_vision.kernels import patch_embed as patch_embed_kernels

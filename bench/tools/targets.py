@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from triton.backends.compiler import GPUTarget
 
-from fused_vision._dispatch import DeviceLimits
+from fused_vision._device import DeviceLimits
 
 KIB = 1024
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fused_vision
-from fused_vision import _dispatch
+from fused_vision import _device, _dispatch
 from fused_vision.kernels import gate_up_gelu as gate_up_gelu_kernels
 from fused_vision.kernels import patch_embed as patch_embed_kernels
 from fused_vision.ops import patch_embed as patch_embed_op
@@ -38,13 +38,13 @@ LACKING = {("sm_75", torch.bfloat16), ("sm_75", torch.float16)}
 # Devices of a known family that no tile list names, as they report themselves: each gets tiles, those of
 # the named device of its family with the same shared memory (less any that device's generation alone gets).
 UNNAMED = {
-    "Jetson AGX Thor under CUDA 12": (_dispatch.DeviceLimits("sm_101", 227 * KIB), "sm_110a"),
-    "a GeForce RTX 50 laptop variant": (_dispatch.DeviceLimits("sm_122", 99 * KIB), "sm_121"),
-    "Jetson Orin Nano": (_dispatch.DeviceLimits("sm_87", 163 * KIB), "sm_87"),
-    "a later Ampere part": (_dispatch.DeviceLimits("sm_88", 99 * KIB), "sm_86"),
-    "MI300A": (_dispatch.DeviceLimits("gfx940", 64 * KIB), "gfx942"),
-    "Ryzen AI Max (Strix Halo)": (_dispatch.DeviceLimits("gfx1151", 64 * KIB), "gfx1100"),
-    "RX 9060 XT": (_dispatch.DeviceLimits("gfx1200", 64 * KIB), "gfx1201"),
+    "Jetson AGX Thor under CUDA 12": (_device.DeviceLimits("sm_101", 227 * KIB), "sm_110a"),
+    "a GeForce RTX 50 laptop variant": (_device.DeviceLimits("sm_122", 99 * KIB), "sm_121"),
+    "Jetson Orin Nano": (_device.DeviceLimits("sm_87", 163 * KIB), "sm_87"),
+    "a later Ampere part": (_device.DeviceLimits("sm_88", 99 * KIB), "sm_86"),
+    "MI300A": (_device.DeviceLimits("gfx940", 64 * KIB), "gfx942"),
+    "Ryzen AI Max (Strix Halo)": (_device.DeviceLimits("gfx1151", 64 * KIB), "gfx1100"),
+    "RX 9060 XT": (_device.DeviceLimits("gfx1200", 64 * KIB), "gfx1201"),
 }
 # Devices outside every family: Volta, Jetson Xavier, Vega, RDNA 2, and a generation not yet released.
 OUTSIDE = ("sm_70", "sm_72", "gfx906", "gfx1030", "sm_130")
@@ -91,7 +91,7 @@ def test_an_unnamed_device_gets_its_familys_tiles(name):
 
 @pytest.mark.parametrize("arch", OUTSIDE, ids=str)
 def test_a_device_outside_every_family_gets_a_decision(arch):
-    limits = _dispatch.DeviceLimits(arch, 96 * KIB)
+    limits = _device.DeviceLimits(arch, 96 * KIB)
     assert limits.family is None
     for gpu_configs, dtypes in TUNED.values():
         for dtype in dtypes:
@@ -100,10 +100,10 @@ def test_a_device_outside_every_family_gets_a_decision(arch):
 
 @pytest.fixture
 def device_reports(monkeypatch):
-    """Make every device report the given limits, as ``_dispatch.device_limits`` reads them off a GPU."""
+    """Make every device report the given limits, as ``_device.device_limits`` reads them off a GPU."""
 
     def report(arch: str, shared: int):
-        monkeypatch.setattr(_dispatch, "device_limits", lambda device: _dispatch.DeviceLimits(arch, shared))
+        monkeypatch.setattr(_device, "device_limits", lambda device: _device.DeviceLimits(arch, shared))
 
     return report
 
@@ -155,10 +155,10 @@ def test_limits_read_off_a_rocm_device_pick_the_wmma_tiles(monkeypatch, dtype):
     properties = SimpleNamespace(gcnArchName="gfx1201", shared_memory_per_block_optin=64 * KIB)
     monkeypatch.setattr(torch.version, "hip", "7.0.0")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: properties)
-    _dispatch._cuda_device_limits.cache_clear()
+    _device._cuda_device_limits.cache_clear()
     try:
-        limits = _dispatch.device_limits(torch.device("cuda", 0))
+        limits = _device.device_limits(torch.device("cuda", 0))
     finally:
-        _dispatch._cuda_device_limits.cache_clear()
-    assert limits == TARGETS["gfx1201"].limits and limits.family == _dispatch.WMMA
+        _device._cuda_device_limits.cache_clear()
+    assert limits == TARGETS["gfx1201"].limits and limits.family == _device.WMMA
     assert patch_embed_kernels.gpu_configs(dtype, limits)
