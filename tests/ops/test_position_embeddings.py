@@ -11,9 +11,9 @@ import torch.nn.functional as F
 import fused_vision
 from fused_vision import reference
 from fused_vision.kernels import position_embeddings as position_embeddings_kernels
-from fused_vision.reference import default_padding_positions, onehot_position_embeddings
+from fused_vision.reference import default_padding_positions, onehot_position_embeddings, position_embeddings_backward
 
-from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, dtype_id
+from helpers import DEVICE, FLOAT_DTYPES, assert_bit_identical, assert_close, dtype_id
 from op_cases import GRAD_DTYPES, check_gradients, make_ids
 
 BACKENDS = ["triton", "reference"]
@@ -179,3 +179,130 @@ def test_forward_mode_ad_tangent_is_the_lookup_of_the_tangent():
         warnings.simplefilter("ignore", RuntimeWarning)
         out = fused_vision.position_embeddings(fwAD.make_dual(table, tangent), ids)
         assert_bit_identical(fwAD.unpack_dual(out).tangent, reference.position_embeddings(tangent, ids))
+
+
+# ---- bad input: a clear error naming the argument, on every backend ----------------------------------
+
+
+def good():
+    table = torch.randn(2, 20, 8, device=DEVICE)
+    ids = torch.randint(0, 20, (2, 5, 2), device=DEVICE)
+    return table, ids
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "change,error,pattern",
+    [
+        (lambda t, i: (t, i.clone().fill_(20)), ValueError, r"position_ids: expected values below 20 .*maximum of 20"),
+        (lambda t, i: (t, i.float()), TypeError, r"position_ids: expected dtype in \(int32, int64\)"),
+        (lambda t, i: (t, i[..., :1]), ValueError, r"position_ids: expected shape \(B, N, 2\)"),
+        (lambda t, i: (t, i[0]), ValueError, r"position_ids: expected 3 dimensions"),
+        (lambda t, i: (t[:1], i), ValueError, r"table: expected shape \(2, P, D\)"),
+        (lambda t, i: (t[0], i), ValueError, r"table: expected 3 dimensions"),
+        (lambda t, i: (t.long(), i), TypeError, r"table: expected dtype in \(float32, float16, bfloat16\)"),
+        (lambda t, i: (t.double(), i), TypeError, r"table: expected dtype"),
+        (lambda t, i: (t, i.tolist()), TypeError, r"position_ids: expected a torch.Tensor"),
+        (lambda t, i: (t[:, :0], i), ValueError, r"table: expected shape \(2, P, D\) with P >= 1, got \(2, 0, 8\)"),
+        (
+            lambda t, i: (t.to_sparse(), i),
+            TypeError,
+            r"table: expected a dense \(strided\) tensor, got layout torch.sparse_coo",
+        ),
+        (lambda t, i: (t, i.to_sparse()), TypeError, r"position_ids: expected a dense \(strided\) tensor"),
+    ],
+    ids=[
+        "id_too_large",
+        "float_ids",
+        "last_dim_not_2",
+        "ids_rank",
+        "table_axes",
+        "table_rank",
+        "integer_table",
+        "float64_table",
+        "ids_not_tensor",
+        "empty_table",
+        "sparse_table",
+        "sparse_ids",
+    ],
+)
+def test_bad_table_or_ids(checked_ids, backend, change, error, pattern):
+    table, ids = change(*good())
+    with pytest.raises(error, match=pattern):
+        fused_vision.position_embeddings(table, ids, backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_negative_ids_read_row_zero_as_stock(poisoned, backend):
+    """Stock clamps every negative id to 0 and pads only (-1, -1) rows: ids below -1 are no error, and
+    their rows' gradient goes to row 0."""
+    table, ids = good()
+    ids[0, 1] = torch.tensor([-2, 3])
+    ids[1, 4] = torch.tensor([-7, -1])  # not padding: only (-1, -1) is
+    ids[1, 0] = -1
+    padding = default_padding_positions(ids)
+    table.requires_grad_()
+    out = fused_vision.position_embeddings(table, ids, backend=backend)
+    assert_bit_identical(out, onehot_position_embeddings(table, ids, padding))
+    assert (out[0, 1] != 0).all() and (out[1, 4] != 0).all() and (out[1, 0] == 0).all()
+    grad = torch.randn_like(out)
+    out.backward(grad)
+    expected = position_embeddings_backward(grad, ids, padding, table.shape[1])
+    assert_close(table.grad, expected, atol=1e-6, rtol=1e-6, what="table gradient")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "kwargs,error,pattern",
+    [
+        (
+            dict(padding_positions=torch.zeros(2, 4, dtype=torch.bool)),
+            ValueError,
+            r"padding_positions: expected shape \(B, N\)",
+        ),
+        (dict(padding_positions=torch.zeros(2, 5)), TypeError, r"padding_positions: expected dtype in \(bool\)"),
+        (dict(residual=torch.zeros(2, 5, 9)), ValueError, r"residual: expected shape \(B, N, D\)"),
+        (
+            dict(residual=torch.zeros(2, 5, 8, dtype=torch.float16)),
+            TypeError,
+            r"residual: expected dtype in \(float32\)",
+        ),
+    ],
+    ids=["padding_shape", "padding_dtype", "residual_shape", "residual_dtype"],
+)
+def test_bad_padding_or_residual(backend, kwargs, error, pattern):
+    table, ids = good()
+    kwargs = {k: v.to(DEVICE) for k, v in kwargs.items()}
+    with pytest.raises(error, match=pattern):
+        fused_vision.position_embeddings(table, ids, backend=backend, **kwargs)
+
+
+def test_tensors_on_different_devices():
+    table, ids = good()
+    with pytest.raises(ValueError, match=r"position_ids: expected a tensor on cpu like table, got one on meta"):
+        fused_vision.position_embeddings(table.cpu(), ids.to("meta"))
+
+
+def test_unknown_backend():
+    with pytest.raises(ValueError, match=r"backend: expected one of \('auto', 'triton', 'reference'\), got 'cuda'"):
+        fused_vision.position_embeddings(*good(), backend="cuda")
+
+
+@pytest.mark.parametrize("dtype", FLOAT_DTYPES, ids=dtype_id)
+@pytest.mark.parametrize("bad_id", [20, 2**40], ids=["P", "huge"])
+def test_unchecked_bad_ids_turn_rows_nan_not_faults(poisoned, monkeypatch, bad_id, dtype):
+    """With the synchronising range check switched off, the kernels never read outside the table:
+    rows with an out-of-range id come out NaN (in bf16 too, whose rounding must keep a NaN), every other
+    row is still exact."""
+    monkeypatch.setenv("FUSED_VISION_CHECK_IDS", "0")
+    table, ids = good()
+    table = table.to(dtype)
+    ids[1, 2, 1] = bad_id
+    residual = torch.randn(2, 5, 8, device=DEVICE, dtype=dtype)
+    out = fused_vision.position_embeddings(table, ids, residual=residual, backend="triton")
+    assert out[1, 2].isnan().all()
+    ids[1, 2] = 0
+    expected = residual + onehot_position_embeddings(table, ids, default_padding_positions(ids))
+    rows = torch.ones(2, 5, dtype=torch.bool)
+    rows[1, 2] = False
+    assert_bit_identical(out[rows], expected[rows], "the rows with good ids")
