@@ -17,9 +17,9 @@
 #                  then bench/goals.py: the project's goals judged from its results.csv; profile.md
 #                  splits each tower and encoder row's time by category
 #   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
-#   kernel_tests   the kernel tests on the GPU, in 7 parallel shards (bench/tools/pytest_shards.py:
-#                  building their ~216 kernels took ~250 s on a 2-core CPU); stopping at its
-#                  box is by design and does not fail the run                      box 150 s
+#   kernel_tests   the kernel tests on the GPU (the casts and arithmetic the interpreter is held to first,
+#                  then every op), in 7 parallel shards (bench/tools/pytest_shards.py; building ~216 kernels
+#                  took ~250 s on a 2-core CPU); stopping at its box is by design, not a failure   box 150 s
 #   vllm_encoder   bench/vllm_encoder.py: vLLM's encoder calls stock vs packed vs fused, 26B/31B and E4B,
 #                  image 8x280 and video 32x70, bf16; vLLM's ReplicatedLinear where vLLM imports, else
 #                  transformers' nn.Linear (the same F.linear)                     box 180 s, ~2 min
@@ -68,7 +68,8 @@ python="${PYTHON:-python3}"
 dry=${GPU_RUN_DRY:-0}
 # Fastest to compile first, so the box cuts the slowest: a lookup kernel builds in under a second, each
 # autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
-kernel_tests=(tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
+kernel_tests=(tests/kernels/test_common.py tests/kernels/test_arithmetic.py tests/kernels/test_first_call.py
+  tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
   tests/ops/test_patch_embed.py tests/ops/test_residual_rms_norm.py tests/ops/test_gelu_gate.py
   tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/encoder/test_fused_layer.py)
 gpu_tests_args=()
