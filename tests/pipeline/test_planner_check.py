@@ -14,7 +14,7 @@ from real_towers import IMAGE, P
 
 
 def _load_planner_check():
-    path = Path(__file__).resolve().parents[1] / "bench" / "planner_check.py"
+    path = Path(__file__).resolve().parents[2] / "bench" / "planner_check.py"
     spec = importlib.util.spec_from_file_location("planner_check", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
