@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fused_vision import _dispatch, _validation
-from fused_vision._environment import OFF, ON
+from fused_vision._environment import OFF, ON, flag
 from fused_vision.encoder import mlp, varlen
 from fused_vision.integrations import sglang, vllm
 
@@ -86,8 +86,6 @@ def test_every_spelling_of_off_turns_the_id_checks_off_on_the_host(monkeypatch, 
 
 @pytest.mark.parametrize("name", FLAGS)
 def test_each_flag_takes_every_spelling_and_unset_or_empty_is_its_default(monkeypatch, name):
-    from fused_vision._environment import flag
-
     for value, expected in [*((v, True) for v in ON_SPELLINGS), *((v, False) for v in OFF_SPELLINGS)]:
         monkeypatch.setenv(name, value)
         assert flag(name) is expected, repr(value)
