@@ -117,6 +117,13 @@ def build_parser() -> argparse.ArgumentParser:
         "and providers unless --ops or --providers say otherwise)",
     )
     bench.add_argument(
+        "--headline",
+        action="store_true",
+        help="the rows the project's targets are set on, for a GPU: the forward stem ops and the layer ops at "
+        "image_32x280 beside compiled stock, and both encoders (stock, compiled, packed, fused) at image_8x280 "
+        "and video_32x70 (--ops, --providers and --cases still choose)",
+    )
+    bench.add_argument(
         "--profile",
         action="store_true",
         help="also profile one call of every tower and encoder row (torch.profiler): its time by category "
@@ -162,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         tiny=args.tiny,
         time_budget_s=args.time_budget,
         profile=args.profile,
+        headline=args.headline,
         command=command,
     )
     try:

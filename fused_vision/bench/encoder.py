@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 import fused_vision
+from fused_vision.encoder.attention import attention_path
 
 from .measure import Peak, call_peak, interleaved_times, synchronize, tensor_bytes
 from .ops import Unsupported, compile_static
@@ -138,6 +139,16 @@ def provider_call(provider: str, towers: dict, pixels: torch.Tensor, ids: torch.
     return call
 
 
+def attention_taken(provider: str, tower: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> str:
+    """The attention ``provider``'s calls run: the packed providers' varlen path, or the tower's own on the padded
+    batch with its mask."""
+    config = tower.config
+    if provider in ("packed", "fused", "graphed"):
+        heads = torch.empty(0, config.num_attention_heads, config.head_dim, dtype=dtype, device=device)
+        return attention_path(heads)
+    return f"{config._attn_implementation} (padded, masked)"
+
+
 def flat(output) -> torch.Tensor:
     """Soft tokens as one (sum T_i, D) tensor: stock's ``last_hidden_state``, or encode_images' list joined."""
     return torch.cat(output) if isinstance(output, list) else output
@@ -212,6 +223,7 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
     device = session.options.device
     calls: dict[str, object] = {}
     measured: dict[str, tuple[Peak, int, float]] = {}
+    attention: dict[str, str] = {}
     first: tuple[str, torch.Tensor] | None = None
     for index, provider in enumerate(providers):
         longest = max((first_call_s for _, _, first_call_s in measured.values()), default=0.0)
@@ -236,6 +248,8 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
             continue
         calls[provider] = call
         measured[provider] = (peak, tensor_bytes(output), first_call_s)
+        attention[provider] = attention_taken(provider, towers["stock"], session.dtype, device)
+        session.log(f"    {provider}: attention {attention[provider]}, first call {first_call_s:.2f} s")
         first = first or (provider, flat(output))
         if first[0] != provider:
             difference = (flat(output).float() - first[1].float()).abs().max().item()
@@ -273,6 +287,7 @@ def measure_mix(session, op, providers, mix, towers: dict, pixels, ids, fields: 
             N=ids.shape[1],
             output_bytes=output_bytes,
             items_per_s=items / ms.p50 * 1e3,
+            attention=attention[provider],
             **fields,
             **rates,
         )

@@ -15,8 +15,11 @@ from .workloads import (
     GPU_CASES,
     GPU_ENCODER_CASES,
     GPU_TOWER_CASES,
+    HEADLINE_CASE,
+    HEADLINE_ENCODER_CASES,
     TINY_CASES,
     Case,
+    cases,
 )
 
 TOWER_OPS = tuple(VISION_TOWERS)
@@ -46,6 +49,11 @@ GPU_PROVIDERS = tuple(p for p in PROVIDERS if p != "reference")  # a GPU runs fu
 CPU_OPS = ("position_embeddings", "patch_embed", "pool_by_positions", "encoder_e2b_e4b", "low_memory")
 CPU_PROVIDERS = ("onehot", "embedding", "reference")
 CPU_ENCODER_PROVIDERS = ("stock", "packed", "fused")
+# --headline: the rows the project's targets are set on, in one process so that their ratios compare. The
+# forward stem ops and the layer ops at the headline case, beside compiled stock; both encoders, stock eager,
+# compiled, packed and fused, at an image mix and a video of 20,160 patches each.
+HEADLINE_OPS = (*(op for op in STEM_OPS if not op.endswith("_backward")), *LAYER_OPS, *ENCODER_OPS)
+HEADLINE_ENCODER_PROVIDERS = ("stock", "compiled", "packed", "fused")
 DEFAULT_HIDDEN = 1152  # the 26B/31B tower's width, that of the baselines (bench/baselines.md)
 TINY_HIDDEN = 64  # the Triton interpreter runs a D=64 patch embedder ~30x faster than D=1152
 # The whole comparison must end within 5 minutes on an H200: 210 s leaves ~90 s for start-up, the task running
@@ -69,6 +77,7 @@ class Options:
     tiny: bool = False
     time_budget_s: float | None = None  # None: the device's default; 0: no limit
     profile: bool = False  # one profiled call per tower and encoder row, by category (``profile``)
+    headline: bool = False  # the defaults are ``HEADLINE_OPS`` and their cases and providers
     command: str = ""
 
 
@@ -97,15 +106,18 @@ class Plan:
 
     @classmethod
     def of(cls, options: Options) -> "Plan":
-        on_gpu, tiny = options.device.type == "cuda", options.tiny
+        on_gpu, tiny, headline = options.device.type == "cuda", options.tiny, options.headline
         budget = options.time_budget_s
+        stem_cases = TINY_CASES if tiny else cases(HEADLINE_CASE) if headline else GPU_CASES if on_gpu else CPU_CASES
+        encoder_cases = HEADLINE_ENCODER_CASES if headline else GPU_ENCODER_CASES if on_gpu else CPU_ENCODER_CASES
+        encoder_providers = GPU_PROVIDERS if on_gpu else CPU_ENCODER_PROVIDERS
         return cls(
-            ops=options.ops or (OPS if on_gpu else CPU_OPS),
-            providers=options.providers or (GPU_PROVIDERS if on_gpu else CPU_PROVIDERS),
-            encoder_providers=options.providers or (GPU_PROVIDERS if on_gpu else CPU_ENCODER_PROVIDERS),
-            stem_cases=options.cases or (TINY_CASES if tiny else GPU_CASES if on_gpu else CPU_CASES),
+            ops=options.ops or (HEADLINE_OPS if headline else OPS if on_gpu else CPU_OPS),
+            providers=options.providers or (GPU_PROVIDERS if on_gpu or headline else CPU_PROVIDERS),
+            encoder_providers=options.providers or (HEADLINE_ENCODER_PROVIDERS if headline else encoder_providers),
+            stem_cases=options.cases or stem_cases,
             tower_cases=options.cases or (TINY_CASES if tiny else GPU_TOWER_CASES if on_gpu else CPU_CASES),
-            encoder_cases=options.cases or (GPU_ENCODER_CASES if on_gpu else CPU_ENCODER_CASES),
+            encoder_cases=options.cases or encoder_cases,
             hidden_sizes=options.hidden_sizes or ((TINY_HIDDEN,) if tiny else (DEFAULT_HIDDEN,)),
             dtype=options.dtype or (torch.bfloat16 if on_gpu else torch.float32),
             time_budget_s=DEFAULT_TIME_BUDGET_S[options.device.type] if budget is None else budget,

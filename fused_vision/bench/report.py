@@ -136,6 +136,16 @@ def _encoder_ratios(present) -> list[tuple[str, str]]:
     return [(a, b) for a, b in pairs if a in present and b in present]
 
 
+def _attention_paths(by_case: dict[str, dict[str, dict]], present: list[str]) -> str:
+    """Each provider's attention path, as its rows recorded it (runs before the column show none)."""
+    paths = []
+    for provider in present:
+        rows = [by_provider[provider] for by_provider in by_case.values() if provider in by_provider]
+        taken = dict.fromkeys(row.get("attention") or "not recorded" for row in rows)
+        paths.append(f"{provider} {' / '.join(taken)}")
+    return "; ".join(paths)
+
+
 def encoder_tables(rows: list[dict], tiny: bool) -> list[str]:
     """One table per (op, dtype): a row per mix, each provider's items/s, peak and FLOP rate, packed's and
     fused's ratios."""
@@ -155,7 +165,8 @@ def encoder_tables(rows: list[dict], tiny: bool) -> list[str]:
             body.append(cells + [_ratio(by_provider, a, b) for a, b in ratios])
         note = (
             f"{ENCODER_TOWERS[op]} with {layer_note(op, layers, tiny)}. TFLOP/s counts every provider's useful "
-            "FLOPs alone, those on the real patches (attention within each item), so the rates compare."
+            "FLOPs alone, those on the real patches (attention within each item), so the rates compare. "
+            f"Attention: {_attention_paths(by_case, present)}."
         )
         lines += [f"### {op} · {dtype}", "", note, "", *markdown_table(header, body)]
     return lines

@@ -12,7 +12,7 @@ COLUMNS = (
     "ms_p50", "ms_p20", "ms_p80", "reps", "timing",
     "peak_bytes", "peak_requested_bytes", "output_bytes",
     "model_bytes", "gbps", "pct_of_copy", "tflops", "pct_of_matmul", "floor_ms",
-    "items_per_s", "real_patches", "layers",
+    "items_per_s", "real_patches", "layers", "attention",
     *ENVIRONMENT_COLUMNS,
 )  # fmt: skip
 LOW_MEMORY_COLUMNS = (
@@ -20,7 +20,7 @@ LOW_MEMORY_COLUMNS = (
     "emulated_total_bytes", "free_bytes",
     *ENVIRONMENT_COLUMNS,
 )  # fmt: skip
-TEXT_COLUMNS = frozenset(("op", "provider", "case", "dtype", "timing", "workload", "path", "status"))
+TEXT_COLUMNS = frozenset(("op", "provider", "case", "dtype", "timing", "attention", "workload", "path", "status"))
 SPEED = "speed"  # a row's timing, but for Triton's interpreter's rows (``text.CORRECTNESS``)
 
 

@@ -67,6 +67,8 @@ CPU_CASES = cases("image_1x280")
 # the patches (80,640) where attention's share of the FLOPs grows; a CPU runs 7 x 140, one per aspect ratio:
 # at 280 tokens a call of the 1-layer E2B/E4B tower takes ~10 s on 2 cores, too long for 12 calls in 3 minutes.
 GPU_ENCODER_CASES = cases("image_8x280", "video_32x70", "image_8x1120")
+# --headline's encoder mixes: the two 20,160-patch cases, an image mix and a video.
+HEADLINE_ENCODER_CASES = GPU_ENCODER_CASES[:2]
 CPU_ENCODER_CASES = cases("image_7x140")
 # --tiny: a smoke run that exercises every code path in seconds, the Triton interpreter included.
 TINY_CASES = cases("image_2x4")

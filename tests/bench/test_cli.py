@@ -77,6 +77,24 @@ def test_the_cpu_header_names_each_section_it_runs(tmp_path):
     ]
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_headline_runs_the_targets_rows_and_explicit_choices_still_win(tmp_path, device):
+    headline = plan.Plan.of(plan.Options(device=torch.device(device), out=tmp_path, headline=True))
+    assert headline.ops == (
+        "position_embeddings", "patch_embed", "pool_by_positions",
+        "qkv_norm_rope", "residual_rms_norm", "gelu_gate", "gate_up_gelu",
+        "encoder_e2b_e4b", "encoder_26b_31b",
+    )  # fmt: skip
+    assert [case.name for case in headline.stem_cases] == ["image_32x280"]
+    assert [case.name for case in headline.encoder_cases] == ["image_8x280", "video_32x70"]
+    assert headline.encoder_providers == ("stock", "compiled", "packed", "fused")
+    assert "compiled" in headline.providers and "reference" not in headline.providers
+    chosen = plan.Options(device=torch.device(device), out=tmp_path, headline=True, ops=("gelu_gate",), tiny=True)
+    assert plan.Plan.of(chosen).ops == ("gelu_gate",) and plan.Plan.of(chosen).stem_cases[0].name == "image_2x4"
+    usage = subprocess.check_output([sys.executable, "-m", "fused_vision", "bench", "-h"], text=True)
+    assert "--headline" in usage
+
+
 def sleeper(seconds: float, calls: list):
     def call():
         calls.append(time.monotonic())

@@ -10,6 +10,7 @@ import torch
 from fused_vision.bench import Case, encoder, plan, runner
 from fused_vision.bench.cli import build_parser
 from fused_vision.bench.tower import build_tower, tower_shape
+from fused_vision.encoder.attention import attention_path
 
 from bench_cli import read_csv, reliable, run_cli
 from helpers import DEVICE
@@ -49,6 +50,12 @@ def test_a_tiny_run_interleaves_the_providers_and_reports_items_per_second(tmp_p
         assert float(row["tflops"]) > 0 and row["timing"] == "speed" and row["reps"] == "2"
         assert float(row["ms_p20"]) <= float(row["ms_p50"]) <= float(row["ms_p80"])
         assert (row["B"], row["N"]) == shapes[mix] and (row["D"], row["layers"]) == ("64", "1")  # the tiny tower
+    shape, dtype = tower_shape("tower_e2b_e4b", tiny=True), torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+    heads = torch.empty(0, shape["num_attention_heads"], shape["head_dim"], dtype=dtype, device=DEVICE)
+    packed_attention = attention_path(heads)  # the path the packed encoder takes for the tiny tower's heads
+    attention = {provider: {row["attention"] for (_, p), row in rows.items() if p == provider} for provider in EAGER}
+    padded_attention = {"stock": {"sdpa (padded, masked)"}, "padded": {"sdpa (padded, masked)"}}
+    assert attention == {**padded_attention, "packed": {packed_attention}, "fused": {packed_attention}}
     assert rows["image_mix_7x280", "stock"]["real_patches"] == str(2394 * 2 + 2376 * 2 + 2304 + 2268 * 2)
     for mix in MIXES:  # the same useful FLOPs for every provider: the rates are in the ratio of the times
         stock, fused = rows[mix, "stock"], rows[mix, "fused"]
@@ -65,6 +72,8 @@ def test_a_tiny_run_interleaves_the_providers_and_reports_items_per_second(tmp_p
     assert line.endswith("".join(f" {ratio:.2f}× |" for ratio in ratios))
     assert ("TFLOP/s (" in line) == reliable(matmul), "a share of the matmul ceiling only where it is reliable"
     assert "tower_e2b_e4b with 1 of its 16 layers (--tiny). TFLOP/s counts every provider's useful FLOPs" in markdown
+    padded_paths = "stock sdpa (padded, masked); padded sdpa (padded, masked)"
+    assert f"Attention: {padded_paths}; packed {packed_attention}; fused {packed_attention}." in markdown
     assert "Target (" not in markdown, "the bench measures; bench/goals.py judges the goals"
     log = (out / "log.txt").read_text()
     assert "image_mix_7x280: 7 items of N=2520 patches, 92.9% real" in log

@@ -11,10 +11,13 @@ from fused_vision.bench.rows import COLUMNS, LOW_MEMORY_COLUMNS, read_csv, timin
 H200 = Path(__file__).parents[2] / "bench" / "results" / "h200"
 
 
+H200_MISSING = {"attention"}  # the columns added after the H200's committed run, the schema otherwise the same
+
+
 @pytest.mark.parametrize("name, columns", [("results.csv", COLUMNS), ("low_memory.csv", LOW_MEMORY_COLUMNS)])
 def test_the_committed_gpu_files_read_back_and_write_unchanged(tmp_path, name, columns):
     rows = read_csv(H200 / name)
-    write_csv(tmp_path / name, columns, rows)
+    write_csv(tmp_path / name, tuple(column for column in columns if column not in H200_MISSING), rows)
     assert (tmp_path / name).read_text() == (H200 / name).read_text()
 
 
