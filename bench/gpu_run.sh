@@ -1,49 +1,48 @@
 #!/usr/bin/env bash
-# A GPU run in steps of a few minutes each, in the order named, each in a time box:
+# A GPU run in time-boxed steps, in the order named, most important first:
 #   bash bench/gpu_run.sh [--out DIR] [STEP...]
-# A full run takes two calls. With no step named, the correctness tests at real shapes, then the benchmark:
-#   bash bench/gpu_run.sh                              gpu_tests bench                ~6 min, box 470 s
-#   bash bench/gpu_run.sh planner_check kernel_tests   two more                       ~2.5 min, box 300 s
-#   bash bench/gpu_run.sh vllm_encoder                 the last                       ~2 min, box 180 s
-# Five more, for what a run leaves open: profile ncu (why a kernel misses its target), attention,
-# encoder_compiled and epilogue.
-# Where a step failed, rerun it alone. The steps:
+# With no step named, one call of about eight minutes (boxes 170 + 190 + 60 + 30 s, and 30 s for the install
+# and the archive), which leaves a machine lent for fifteen minutes room to rerun one step:
+#   kernel_tests   every kernel and op test compiled for this GPU, both half dtypes: the casts and arithmetic
+#                  the CPU's interpreter is held to first (tests/kernels), then each op's tests, the fused layer
+#                  and the packed encoder, the ops' registration last; 13 parallel shards (bench/tools/
+#                  pytest_shards.py). Box 170 s: 320 of the 416 tests of seven shards ran in 103 s on an H200.
+#   bench          python -m fused_vision bench --headline --profile, one process: the forward stem ops and the
+#                  layer kernels at image_32x280 beside compiled stock, both encoders (stock, compiled, packed,
+#                  fused, with the attention each took) at image_8x280 and video_32x70; then bench/goals.py, the
+#                  project's goals judged from its results.csv. Box 190 s (its --time-budget 150: a run of
+#                  budget 200 took 234 s; compiled rows are the first it skips, and it lists what it skipped)
+#   attention      bench/tools/attention_paths.py: every attention path this machine has, both towers' heads,
+#                  image 8x280, video 32x70, image 8x1120: time, share of matmul, error vs float64. Box 60 s
+#   planner_check  the planner's memory model against measured tower peaks. Box 30 s (took 14 s)
+# The other steps, for a second call where time is left (a failed step of the first goes first):
 #   gpu_tests      pytest -m gpu tests/gpu: the ops at real Gemma 4 shapes (bit-identity at B=32 N=2520
 #                  D=1152, > 2**31 elements, patch_embed's error vs float64, the pooler and its gradient,
 #                  the table gradient, the packed and fused encoders' outputs and gradients vs float64
-#                  at both towers' layer shapes), with syncs forbidden and in CUDA graphs
-#                                                                                  box 200 s, ~2 to 3 min
-#   bench          python -m fused_vision bench --profile (its --time-budget bounds it)  box 270 s, ~3.5 min
-#                  then bench/goals.py: the project's goals judged from its results.csv; profile.md
-#                  splits each tower and encoder row's time by category
-#   planner_check  the planner's memory model against measured tower peaks          box 120 s, ~1 min
-#   kernel_tests   the kernel tests on the GPU (the casts and arithmetic the interpreter is held to first,
-#                  then every op), in 7 parallel shards (bench/tools/pytest_shards.py; building ~216 kernels
-#                  took ~250 s on a 2-core CPU); stopping at its box is by design, not a failure   box 150 s
+#                  at both towers' layer shapes), with syncs forbidden and in CUDA graphs. Box 270 s: 46
+#                  tests took 97 s and 154 s; it has 75 now, flex attention compiling five times
 #   vllm_encoder   bench/vllm_encoder.py: vLLM's encoder calls stock vs packed vs fused, 26B/31B and E4B,
 #                  image 8x280 and video 32x70, bf16; vLLM's ReplicatedLinear where vLLM imports, else
-#                  transformers' nn.Linear (the same F.linear)                     box 180 s, ~2 min
+#                  transformers' nn.Linear (the same F.linear). Box 60 s (took 26 s and 38 s)
 #   profile        bench/tools/profile_kernels.py: each op's kernel at image_32x280 beside variants that
-#                  each take one cost away (pre-cast pixels, cuBLAS alone, id checks off)  box 90 s, ~40 s
+#                  each take one cost away (pre-cast pixels, cuBLAS alone, id checks off). Box 60 s (took 37 s)
 #   ncu            the same kernels, one launch each, under Nsight Compute (speed of light, memory,
-#                  occupancy, launch, warp states) into ncu.txt                     box 120 s, ~1 min
-#   attention      bench/tools/attention_paths.py: every attention path this machine has, both towers' heads,
-#                  image 8x280, video 32x70, image 8x1120: time, share of matmul, error vs float64  box 150 s
+#                  occupancy, launch, warp states) into ncu.txt; skipped, with a note, where ncu is missing.
+#                  Box 60 s (took 34 s)
 #   encoder_compiled  both encoders at image 8x280, video 32x70 and image 8x1120: stock, torch.compile
-#                  of it, fused, profiled; then the goals on those rows (the bench's default run reaches
-#                  compiled rows last; six compiles of 25 to 60 s each)                box 480 s
+#                  of it, fused, profiled; then the goals on those rows (six compiles of 25 to 60 s). Box 480 s
 #   epilogue       with FUSED_VISION_GATE_UP_EPILOGUE=1: the gate/up GEMM with the GELU gate in its epilogue
 #                  against cuBLAS + the gate kernel (gate_up_gelu's fused and separate rows), and both
 #                  encoders' fused rows with it, image 8x280 and video 32x70, beside the bench step's
-#                  fused rows without it                                           box 240 s
+#                  fused rows without it. Box 240 s
 # Results go to DIR (--out DIR, else GPU_RUN_OUT, else bench/out/gpu_run): the bench's files, gpu_run.log, and
-# checks.tgz with the rest (the tests' JUnit XML, the planner's rows, the shards' logs, vllm_encoder.md), so DIR
-# holds few files.
+# checks.tgz with the rest (the shards' logs and JUnit XML, attention_paths.md, the planner's rows, the GPU
+# tests' XML, vllm_encoder.md, ncu.txt), so DIR holds few files.
 # Exits non-zero if any step failed; later steps still run.
 # Each box is cut to what is left before GPU_RUN_DEADLINE_S (default: the chosen steps' boxes plus 30 s of
 # install and archive, counted from the start), so a slow or hung step costs its own results, not the later
 # steps' or the archive. A box sends SIGINT: the bench then writes the reports of what it measured, the XML
-# and the logs keep every test and planner row that finished.
+# and the logs keep every test and planner row that finished; the archive is written after every step.
 # GPU_RUN_DRY=1 runs the same steps at toy sizes on any machine (tests/test_scripts.py does, on a CPU under
 # TRITON_INTERPRET=1), to test this script, in boxes three times as long; its gpu_tests and kernel_tests
 # run a few of their files. PYTHON: default python3.
@@ -66,12 +65,14 @@ out="$(realpath -m "$out")"  # absolute, from the caller's folder: the steps run
 cd "$root" || exit 1
 python="${PYTHON:-python3}"
 dry=${GPU_RUN_DRY:-0}
-# Fastest to compile first, so the box cuts the slowest: a lookup kernel builds in under a second, each
-# autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their tests build many.
+# The casts and arithmetic first, then the fastest to compile, so the box cuts the slowest: a lookup kernel
+# builds in under a second, each autotuned pooler and embedder config in 2 to 3 s (Triton 3.6), and their
+# tests build many; the ops' registration, which runs kernels the op tests ran already, last.
 kernel_tests=(tests/kernels/test_common.py tests/kernels/test_arithmetic.py tests/kernels/test_first_call.py
   tests/test_validation.py tests/ops/test_position_embeddings.py tests/ops/test_pool_by_positions.py
   tests/ops/test_patch_embed.py tests/ops/test_residual_rms_norm.py tests/ops/test_gelu_gate.py
-  tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/encoder/test_fused_layer.py)
+  tests/ops/test_qkv_norm_rope.py tests/ops/test_gate_up_gelu.py tests/encoder/test_fused_layer.py
+  tests/encoder/test_packed.py tests/ops/test_registration.py tests/ops/test_transforms.py)
 gpu_tests_args=()
 if [ "$dry" != 0 ]; then
   export FUSED_VISION_GPU_TESTS_SMOKE=1  # tests/gpu at tiny sizes, on the CPU where no GPU is
@@ -88,7 +89,7 @@ if [ "$dry" != 0 ]; then
   attention_args=(--tiny)
   ncu=()  # the profiled calls run bare
 else
-  bench_args=(--time-budget 200 --profile)
+  bench_args=(--time-budget 150 --profile)
   planner_args=()
   shards_args=()
   vllm_encoder_args=()
@@ -97,21 +98,23 @@ else
   epilogue_args=(--time-budget 210 --ops gate_up_gelu,encoder --cases image_8x280,video_32x70 --providers fused,separate)
   attention_args=()
   # --clock-control none: the clocks as in the timed runs. The sections: what bounds a kernel and why.
-  ncu=("$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)" --clock-control none
+  ncu_path="$(command -v ncu || ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -n 1)"
+  ncu=("$ncu_path" --clock-control none
     --profile-from-start off --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy
     --section LaunchStats --section ComputeWorkloadAnalysis --section WarpStateStats --section SchedulerStats)
+  [ -n "$ncu_path" ] || ncu=(missing)  # the step says so and runs nothing
 fi
 # Each step's time box in seconds, and the steps of a call with no arguments.
-declare -A box=([gpu_tests]=200 [bench]=270 [planner_check]=120 [kernel_tests]=150 [vllm_encoder]=180
-  [profile]=90 [ncu]=120 [attention]=150 [encoder_compiled]=480 [epilogue]=240)
+declare -A box=([kernel_tests]=170 [bench]=190 [attention]=60 [planner_check]=30 [gpu_tests]=270
+  [vllm_encoder]=60 [profile]=60 [ncu]=60 [encoder_compiled]=480 [epilogue]=240)
 if [ "$dry" != 0 ]; then  # the interpreter at toy sizes, on CPUs a test suite's other workers share: 3x the boxes
   for name in "${!box[@]}"; do box[$name]=$((box[$name] * 3)); done
 fi
-[ "${#steps[@]}" -gt 0 ] || steps=(gpu_tests bench)
+[ "${#steps[@]}" -gt 0 ] || steps=(kernel_tests bench attention planner_check)
 default_deadline=30  # install and archive, then the steps' boxes
 for name in "${steps[@]}"; do
   if [ -z "${box[$name]:-}" ]; then
-    echo "gpu_run.sh: unknown step '$name': expected any of gpu_tests, bench, planner_check, kernel_tests, vllm_encoder, profile, ncu, attention, encoder_compiled, epilogue" >&2
+    echo "gpu_run.sh: unknown step '$name': expected any of kernel_tests, bench, attention, planner_check, gpu_tests, vllm_encoder, profile, ncu, encoder_compiled, epilogue" >&2
     exit 2
   fi
   default_deadline=$((default_deadline + box[$name]))
@@ -187,7 +190,7 @@ for name in "${steps[@]}"; do
     gpu_tests) step gpu_tests "$python" -m pytest -m gpu -v --durations=0 -p no:cacheprovider \
       -o junit_family=xunit1 --junitxml "$checks/gpu_tests.xml" "${gpu_tests_args[@]}" tests/gpu ;;
     # A missed goal is a verdict, not a failure: only a goals script that cannot read the run fails the step.
-    bench) step bench "$python" -m fused_vision bench --out "$out" "${bench_args[@]}"
+    bench) step bench "$python" -m fused_vision bench --headline --out "$out" "${bench_args[@]}"
       [ ! -f "$out/results.csv" ] || "$python" bench/goals.py "$out/results.csv" || status=1 ;;
     planner_check) step planner_check "$python" bench/planner_check.py --out "$checks" "${planner_args[@]}" ;;
     # No -x: one failure must not hide the rest of a run that happens once; --maxfail still stops a cascade.
@@ -195,8 +198,10 @@ for name in "${steps[@]}"; do
       "${shards_args[@]}" -- --maxfail=10 -p no:cacheprovider "${kernel_tests[@]}" ;;
     vllm_encoder) step vllm_encoder "$python" bench/vllm_encoder.py --out "$checks" "${vllm_encoder_args[@]}" ;;
     profile) step profile "$python" bench/tools/profile_kernels.py "${profile_args[@]}" ;;
-    ncu) step ncu "${ncu[@]}" ${ncu[0]:+--log-file "$checks/ncu.txt"} \
-      "$python" bench/tools/profile_kernels.py --profile "${profile_args[@]}" ;;
+    # Without Nsight Compute there is nothing to profile with: a note, not a failure of the run.
+    ncu) if [ "${ncu[0]:-}" = missing ]; then echo "=== ncu skipped: no Nsight Compute (ncu) on this machine"
+      else step ncu "${ncu[@]}" ${ncu[0]:+--log-file "$checks/ncu.txt"} \
+        "$python" bench/tools/profile_kernels.py --profile "${profile_args[@]}"; fi ;;
     attention) step attention "$python" bench/tools/attention_paths.py --out "$checks" "${attention_args[@]}" ;;
     encoder_compiled) step encoder_compiled "$python" -m fused_vision bench --out "$checks/encoder_compiled" \
       --providers stock,compiled,fused --profile "${compiled_args[@]}"

@@ -30,7 +30,8 @@ import pytest
 GRACE_S = 10  # gpu_run.sh kills this runner 15 s after its SIGINT
 # Prime: a parameter of 2 to 6 values cycling in step with the shards would give some shards every test of
 # one value (8 shards: every `triton` test of a triton/reference pair to the even ones, every build to 4 cores).
-DEFAULT_SHARDS = 7
+# 13 on the GPU machine's 16 cores leaves three to ptxas, which each build runs beside its shard.
+DEFAULT_SHARDS = 13
 
 
 def pytest_addoption(parser):
