@@ -1,7 +1,7 @@
 """fused_vision.integrations.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
 
-The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own
-(tests/integrations/vllm_models.py; `bash .ci/run tests_vllm` builds one for both releases) and skips without it.
+It needs vLLM in an environment of its own (tests/integrations/vllm_models.py; `bash .ci/run tests_vllm` builds
+one for both releases) and skips without it; the plugin's tests are in test_vllm_report.py.
 """
 
 import importlib
@@ -30,6 +30,7 @@ from gemma4_towers import modeling, out_of_memory_above
 from helpers import assert_bit_identical, assert_close, reverting_to_stock
 from op_cases import ULP
 from vllm_models import (  # noqa: F401 (the fixtures)
+    PATCHED,
     GiB,
     build_vllm_model,
     gemma4_mm,
@@ -39,14 +40,14 @@ from vllm_models import (  # noqa: F401 (the fixtures)
     needs_vllm,
     run,
     tiny_model,
+    transformers_is_patched,
     video_input,
     vision_input,
+    vllm_is_patched,
     vllm_process,
 )
 
 FRAME, IMAGE = 630, 2520  # patches per video frame (70 soft tokens) and per image (280), pooling kernel 3
-# the chunk and the guarded encoding calls: 0.34's _local halves, 0.33's whole calls
-PATCHED = tuple(fv._methods(model_class())) if gemma4_mm is not None else ()
 
 
 stock_after_each_test = reverting_to_stock(revert_fused_vision_vllm_gemma4, revert_fused_vision_gemma4)
@@ -62,120 +63,6 @@ def stock_methods() -> dict:
 
 
 STOCK = stock_methods() if gemma4_mm is not None else {}
-
-
-def vllm_is_patched() -> bool:
-    return all(isinstance(model_class().__dict__[name], fv.patching.InstanceMethod) for name in PATCHED)
-
-
-def transformers_is_patched() -> bool:
-    return modeling.Gemma4VisionPatchEmbedder.forward is stem._embedder_forward
-
-
-# ---- the plugin --------------------------------------------------------------------------------------
-
-
-def test_the_entry_point_is_in_the_installed_package_metadata():
-    (entry_point,) = [
-        e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.dist.name == "fused-vision"
-    ]
-    assert entry_point.name == "fused_vision_gemma4"
-    assert entry_point.value == "fused_vision.integrations.vllm:vllm_plugin"
-    assert entry_point.load() is fv.vllm_plugin
-
-
-def test_the_plugin_does_nothing_without_the_variable(monkeypatch):
-    monkeypatch.delenv(fv.ENV_VLLM, raising=False)
-    fv.vllm_plugin()
-    assert not transformers_is_patched()
-    assert gemma4_mm is None or not vllm_is_patched()
-
-
-def test_the_plugin_patches_transformers_then_vllm(monkeypatch, caplog):
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    assert transformers_is_patched()
-    if gemma4_mm is None:
-        assert "FUSED_VISION_VLLM=1 but vLLM's Gemma 4 cannot be patched here" in caplog.text
-    else:
-        assert vllm_is_patched()
-        assert not [record for record in caplog.records if record.name == "fused_vision"]
-
-
-def test_the_plugin_warns_and_never_raises(monkeypatch, caplog):
-    """vLLM runs its plugins unguarded in every process: an error there would stop vLLM's start-up."""
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    monkeypatch.setitem(sys.modules, "transformers.models.gemma4.modeling_gemma4", None)
-    monkeypatch.setitem(sys.modules, fv.VLLM_MODULE, None)
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    assert "FUSED_VISION_VLLM=1 but Gemma 4 cannot be patched here" in caplog.text
-    assert "FUSED_VISION_VLLM=1 but vLLM's Gemma 4 cannot be patched here" in caplog.text
-
-    monkeypatch.setattr(
-        fv, "apply_fused_vision_to_vllm_gemma4", lambda **keywords: 1 / 0
-    )  # no ImportError: still caught
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    assert "vLLM's Gemma 4 cannot be patched here (division by zero)" in caplog.text
-
-
-@pytest.mark.parametrize("choice, encoder", [(None, None), ("", None), ("packed", "packed"), ("fused", "fused")])
-def test_the_plugin_patches_the_encoder_it_is_told_to(monkeypatch, caplog, choice, encoder):
-    from fused_vision.integrations.encoder import encoder_forward
-
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    if choice is None:
-        monkeypatch.delenv(fv.ENV_VLLM_ENCODER, raising=False)
-    else:
-        monkeypatch.setenv(fv.ENV_VLLM_ENCODER, choice)
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    patched = vars(modeling.Gemma4VisionEncoder).get("forward") is encoder_forward
-    state = getattr(modeling.Gemma4VisionEncoder, "_fused_vision", None)
-    if gemma4_mm is None:  # the encoder is patched for vLLM's towers only
-        assert not patched and state is None
-        return
-    assert patched == (encoder is not None) and (state is None or state.op == f"{encoder}_encoder")
-    assert vllm_is_patched()
-    assert not [record for record in caplog.records if record.name == "fused_vision"]
-
-
-def test_an_unknown_encoder_choice_stops_the_plugin_by_name(monkeypatch):
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    monkeypatch.setenv(fv.ENV_VLLM_ENCODER, "fastest")
-    with pytest.raises(ValueError, match="FUSED_VISION_VLLM_ENCODER='fastest': expected one of stock, packed, fused"):
-        fv.vllm_plugin()
-    assert not transformers_is_patched(), "nothing patched"
-    with pytest.raises(ValueError, match="encoder: expected one of"):
-        apply_fused_vision_to_vllm_gemma4(encoder="fastest")
-
-
-@needs_vllm
-@pytest.mark.parametrize(
-    "variable, allowed, patched",
-    [
-        (None, None, False),
-        ("1", None, True),
-        ("0", None, False),
-        ("1", "fused_vision_gemma4", True),
-        ("1", "lora_filesystem_resolver", False),  # another plugin allowed, ours not
-        ("1", "", False),  # VLLM_PLUGINS="" allows none
-    ],
-)
-def test_vllms_plugin_loader_patches_only_when_asked(monkeypatch, variable, allowed, patched):
-    import vllm.plugins
-
-    for name, value in ((fv.ENV_VLLM, variable), ("VLLM_PLUGINS", allowed)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)  # vLLM loads them once per process
-    vllm.plugins.load_general_plugins()
-    assert vllm_is_patched() == transformers_is_patched() == patched
 
 
 # ---- vLLM's model, built by vLLM on the CPU ---------------------------------------------------------------
