@@ -126,7 +126,7 @@ def test_a_stock_one_hot_embedder_is_priced_as_vllm_prices_it(target_model, monk
     """Where a 5.5-5.9 embedder runs its stock one-hot (vLLM 0.33 pins 5.16+, so it is played here), the
     one-hot is the price: with sdpa, vLLM's own answer."""
     monkeypatch.setattr(fg, "onehot_lookup", lambda: True)
-    assert apply_fused_vision_to_vllm_gemma4() == 3  # transformers' classes stay stock
+    assert apply_fused_vision_to_vllm_gemma4(embedder=None) == 2  # the pooler and vLLM's model; the embedder stock
     arguments = (3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE)
     assert [target_model._encoder_chunk(patches, *arguments) for patches in (IMAGE, FRAME)] == [1, 7]
     apply_fused_vision_to_gemma4()  # now the lookup is fused
@@ -153,12 +153,86 @@ def test_the_revert_restores_vllms_methods_exactly(target_model):
     patch_both()
     assert repr(target_model).splitlines()[1].strip() == "fused_vision=planner"
     saved = target_model._encoder_chunk  # ours, bound: a caller may hold it across the revert
-    assert revert_fused_vision_vllm_gemma4() == 1
+    assert revert_fused_vision_vllm_gemma4() == 3, "vLLM's class and transformers' two"
+    assert not transformers_is_patched()
     assert saved(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 1, "a method saved before runs stock after"
     assert stock_methods() == STOCK and all(stock_methods()[name] is STOCK[name] for name in PATCHED)
     assert not any(name.startswith("_fused_vision") for name in vars(model_class()))
     assert target_model._encoder_chunk(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 1
     assert revert_fused_vision_vllm_gemma4() == 0
+
+
+# ---- the keywords every apply_… shares, and model= ----------------------------------------------------------
+
+TOWER = ("Gemma4VisionPatchEmbedder", "Gemma4VisionPooler", "Gemma4VisionModel", "Gemma4VisionEncoder")
+
+
+def tower_states() -> list:
+    return [str(fv.patching.fused_state(getattr(modeling, name))) for name in TOWER]
+
+
+@needs_vllm
+def test_one_call_patches_the_tower_as_transformers_apply_does(target_model):
+    keywords = dict(embedder="position_embeddings", pooler=False, encoder="packed", backend="reference")
+    assert apply_fused_vision_to_vllm_gemma4(**keywords) == 4, "the embedder, tower, encoder and vLLM's class"
+    assert apply_fused_vision_to_vllm_gemma4(**keywords) == 4, "again: the same patch"
+    assert vllm_is_patched() and fv.patching.fused_state(model_class()) == "planner"
+    states = tower_states()
+    assert states == ["position_embeddings(backend=reference)", "None", *["packed_encoder(backend=reference)"] * 2]
+    assert apply_fused_vision_to_vllm_gemma4() == 3, "the embedder and pooler reconfigured, the encoder left packed"
+    assert tower_states()[2:] == states[2:]
+    revert_fused_vision_vllm_gemma4()
+    assert apply_fused_vision_to_gemma4(**keywords) == 3
+    assert tower_states() == states, "transformers' own call, the same states"
+
+
+@needs_vllm
+def test_bad_keywords_raise_before_anything_is_patched(target_model):
+    for keywords, error in [
+        (dict(embedder=None, pooler=False), "apply_fused_vision_to_vllm_gemma4: nothing selected"),
+        (dict(embedder="one_hot"), "embedder: expected one of"),
+        (dict(encoder="fused", backend="cuda"), "backend: expected one of"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            apply_fused_vision_to_vllm_gemma4(target_model, **keywords)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module or None, got str"):
+        apply_fused_vision_to_vllm_gemma4("google/gemma-4-31b-it")
+    with pytest.raises(ValueError, match="Linear contains no .*LLM.apply_model hands it over"):
+        apply_fused_vision_to_vllm_gemma4(torch.nn.Linear(2, 2))
+    assert not transformers_is_patched() and not vllm_is_patched()
+    assert fv.patching.fused_state(target_model) is None
+
+
+@needs_vllm
+def test_a_model_patched_alone_plans_its_own_chunks(target_model, tiny_model):
+    arguments = (IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE)
+    assert apply_fused_vision_to_vllm_gemma4(target_model) == 3, "its embedder, its pooler and itself"
+    assert apply_fused_vision_to_vllm_gemma4(target_model) == 3, "again: the same patch"
+    assert target_model._encoder_chunk(*arguments) == 16
+    assert tiny_model._encoder_chunk(*arguments) == 1, "another model: vLLM's chunk"
+    assert fv.patching.fused_state(tiny_model.vision_tower.patch_embedder) is None
+    assert fv.patching.fused_state(model_class()) is None and tower_states() == ["None"] * 4, "the classes: stock"
+    assert revert_fused_vision_vllm_gemma4(target_model) == 3
+    assert target_model._encoder_chunk(*arguments) == 1
+    apply_fused_vision_to_vllm_gemma4()
+    assert revert_fused_vision_vllm_gemma4(target_model) == 3, "pinned to stock while the classes are patched"
+    assert target_model._encoder_chunk(*arguments) == 1 and tiny_model._encoder_chunk(*arguments) > 1
+    assert apply_fused_vision_to_vllm_gemma4(tiny_model.vision_tower) == 2, "a tower without vLLM's model: alone"
+
+
+@needs_vllm
+def test_a_model_patched_alone_runs_its_encoder_and_its_guard(tiny_model, memory, monkeypatch):
+    assert apply_fused_vision_to_vllm_gemma4(tiny_model, encoder="fused") == 5, "4 tower modules and the model"
+    assert str(fv.patching.fused_state(tiny_model.vision_tower.encoder)) == "fused_encoder(backend=auto)"
+    inputs = video_input(tiny_model, [2, 3], 64, seed=15)
+    *_, unconstrained = run(tiny_model, "_process_video_input", inputs)
+    called = out_of_memory_above(monkeypatch, tiny_model.vision_tower.encoder, limit=2)
+    warning = "ran out of memory at 5 items per vision-tower call; went on with at most 2$"
+    with pytest.warns(RuntimeWarning, match=warning):
+        *_, got = run(tiny_model, "_process_video_input", inputs)
+    assert called == [5, 2, 2, 1]
+    for index, (g, e) in enumerate(zip(got, unconstrained, strict=True)):
+        assert_bit_identical(g, e, f"item {index}")
 
 
 @needs_vllm
@@ -301,16 +375,20 @@ def test_a_vllm_without_a_method_is_patched_where_it_can_be(target_model, monkey
     if video != "_process_video_input":  # 0.34: without the _local half, the whole call is guarded
         monkeypatch.delattr(model_class(), "_process_video_input")
     with pytest.warns(RuntimeWarning, match="has no _process_video_input: no out-of-memory guard there"):
-        assert apply_fused_vision_to_vllm_gemma4() == 2
+        assert apply_fused_vision_to_vllm_gemma4() == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert apply_fused_vision_to_vllm_gemma4() == 2, "again: the same patch, and no second warning"
+        assert apply_fused_vision_to_vllm_gemma4() == 3, "again: the same patch, and no second warning"
+    assert [name for name in PATCHED if isinstance(vars(model_class()).get(name), fv.patching.InstanceMethod)] == [
+        name for name in PATCHED if name != video
+    ], "the two methods it has"
     assert target_model._encoder_chunk(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 16
     assert video not in vars(model_class())
-    assert revert_fused_vision_vllm_gemma4() == 1
+    assert revert_fused_vision_vllm_gemma4() == 3
     assert all(vars(model_class())[name] is STOCK[name] for name in PATCHED[:2])
 
     monkeypatch.delattr(model_class(), "_encoder_chunk")
     with pytest.warns(RuntimeWarning, match="has no _encoder_chunk: its chunks stay vLLM's"):
-        assert apply_fused_vision_to_vllm_gemma4() == 0
+        assert apply_fused_vision_to_vllm_gemma4() == 2, "the tower alone"
     assert vars(model_class())[PATCHED[1]] is STOCK[PATCHED[1]]
+    assert transformers_is_patched() and fv.patching.fused_state(model_class()) is None
