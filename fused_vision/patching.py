@@ -26,6 +26,7 @@ __all__ = [
     "InstanceMethod",
     "Target",
     "call_view",
+    "check_model",
     "fused_state",
     "install_methods",
     "patch",
@@ -205,6 +206,12 @@ def _revert_instance(module: nn.Module, *, pin: bool) -> bool:
     return was_fused
 
 
+def check_model(model) -> None:
+    """Raises TypeError unless ``model`` is None (the classes) or an ``nn.Module`` (its instances)."""
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+
+
 def patch(caller: str, model: nn.Module | None, targets: Sequence[Target], hint: str) -> int:
     """Patch the targets' classes (``model=None``: every instance without a patch of its own), or their
     instances inside ``model``. Returns the number of classes or modules set to a fused state.
@@ -220,8 +227,7 @@ def patch(caller: str, model: nn.Module | None, targets: Sequence[Target], hint:
         logger.info("fused_vision: patched %s", ", ".join(f"{t.cls.__name__} -> {t.state}" for t in targets))
         return len(targets)
 
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+    check_model(model)
     matches = [(module, t) for module in model.modules() for t in targets if isinstance(module, t.cls)]
     if not matches:
         *others, last = [target.cls.__name__ for target in targets]
@@ -240,8 +246,7 @@ def revert(model: nn.Module | None, classes: Callable[[type], bool]) -> int:
     ``model=``; returns the number of classes and instance patches undone. With a model: its modules of
     those classes run stock code, even while the classes stay patched; returns how many were fused.
     """
-    if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"model: expected a torch.nn.Module or None, got {type(model).__name__}")
+    check_model(model)
     selected = tuple(cls for cls in _CLASS_ORIGINALS if classes(cls))
     if model is not None:
         return sum(_revert_instance(module, pin=True) for module in model.modules() if isinstance(module, selected))

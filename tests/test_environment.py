@@ -32,7 +32,6 @@ def _plugin(plugin, *also: str):
     def run(monkeypatch):
         for name in also:
             monkeypatch.setenv(name, "1")
-        monkeypatch.setattr(vllm, "apply_fused_vision_to_gemma4", lambda: None)
         monkeypatch.setattr(vllm, "apply_fused_vision_to_vllm_gemma4", lambda encoder: None)
         monkeypatch.setattr(sglang, "apply_fused_vision_to_sglang_gemma4", lambda: None)
         return plugin()

@@ -271,43 +271,40 @@ def apply_fused_vision_to_sglang_gemma4(
 ) -> int:
     """Put fused_vision's ops into SGLang's Gemma 4 vision tower (``sglang.srt.models.gemma4_vision``).
 
-    The keywords, the return value and idempotence are ``fused_vision.apply_fused_vision_to_gemma4``'s.
+    The keywords, the return value, idempotence and the errors are those every engine's ``apply_…`` shares
+    (docs/integrations.md). Here:
 
-    Args:
-        model: None to patch SGLang's ``Gemma4VisionPatchEmbedder``, ``Gemma4VisionPooler`` and (where
-            SGLang has it) ``EmbeddingGemma2VisionPooler`` classes, for every tower built from then on; or
-            a module (SGLang's ``Gemma4ForConditionalGeneration``, ``EmbeddingGemma2Model``, their
-            ``Gemma4VisionEncoder``, ...) whose instances of them to patch.
-        embedder: ``"patch_embed"``, the whole embedder as ``fused_vision.patch_embed``;
-            ``"position_embeddings"``, only the lookup: then the embedder's output is bit-identical to
-            stock's; None leaves the embedder stock.
-        pooler: the poolers as ``fused_vision.pool_by_positions``. ``Gemma4VisionPooler`` then rounds as
-            transformers' pooler does, not as SGLang's (see ``_pooler_forward``);
-            ``EmbeddingGemma2VisionPooler`` equals stock up to float32 summation order. False keeps
-            SGLang's numerics bit for bit.
-        encoder: "stock" leaves ``Gemma4VisionEncoder.forward`` stock; "packed" makes it strip each item's
-            padding and attend within each item's real patches on every attention backend, FA3 and Triton
-            included, which drop stock's padding mask (``packed_encoder_forward``), with stock's outputs.
-        backend: "auto", "triton" or "reference", for every patched op.
+    - ``model=None`` patches SGLang's ``Gemma4VisionPatchEmbedder``, ``Gemma4VisionPooler`` and (where
+      SGLang has it) ``EmbeddingGemma2VisionPooler`` classes (and, for the packed encoder,
+      ``Gemma4VisionEncoder``). A module is SGLang's ``Gemma4ForConditionalGeneration``,
+      ``EmbeddingGemma2Model``, their ``Gemma4VisionEncoder``, or anything holding those classes.
+    - ``embedder="position_embeddings"``: the embedder's output is bit-identical to stock's.
+    - ``pooler``: ``Gemma4VisionPooler`` then rounds as transformers' pooler does, not as SGLang's (see
+      ``_pooler_forward``); ``EmbeddingGemma2VisionPooler`` equals stock up to float32 summation order.
+      False keeps SGLang's numerics bit for bit.
+    - ``encoder``: "stock" or "packed" only (``SGLANG_ENCODERS``; "fused" raises ValueError): "packed" makes
+      ``Gemma4VisionEncoder.forward`` strip each item's padding and attend within each item's real
+      patches on every attention backend, FA3 and Triton included, which drop stock's padding mask
+      (``packed_encoder_forward``), with stock's outputs.
 
     Raises:
-        ValueError: nothing selected, an unknown ``embedder``, ``encoder`` or backend, or ``model`` holds no
-            module to patch.
+        ValueError: as every ``apply_…``; also a ``model`` with no module to patch.
         TypeError: ``model`` is neither None nor an ``nn.Module``.
         ImportError: SGLang or its Gemma 4 is missing.
     """
+    caller = "apply_fused_vision_to_sglang_gemma4"
+    stem.check_keywords(
+        caller, model, embedder=embedder, pooler=pooler, encoder=encoder, backend=backend, encoders=SGLANG_ENCODERS
+    )
     vision = _sglang_vision()
     poolers = [(vision.Gemma4VisionPooler, _pooler_forward)]
     poolers += [(cls, _embedding_pooler_forward) for cls in _embedding_pooler_classes()]
-    caller = "apply_fused_vision_to_sglang_gemma4"
     release = dict(onehot_lookup=stem.lookup_is_onehot(vision.Gemma4VisionPatchEmbedder), pooler_float32=False)
-    if encoder not in SGLANG_ENCODERS:
-        raise ValueError(f"encoder: expected one of {SGLANG_ENCODERS}, got {encoder!r}")
     packed_target = None
     if encoder == "packed":
         packed_target = encoder_target(vision.Gemma4VisionEncoder, stem.FusedOp("packed_encoder", backend, **release))
     options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=packed_target)
-    targets = stem.tower_targets(caller, vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
+    targets = stem.tower_targets(vision.Gemma4VisionPatchEmbedder, poolers, release, **options)
     hint = (
         "Pass SGLang's Gemma4ForConditionalGeneration, EmbeddingGemma2Model or Gemma4VisionEncoder (for "
         "transformers' Gemma 4, apply_fused_vision_to_gemma4), or call it with model=None before the model is built."
@@ -320,9 +317,9 @@ def _is_sglang_class(cls: type) -> bool:
 
 
 def revert_fused_vision_sglang_gemma4(model: nn.Module | None = None) -> int:
-    """Undo ``apply_fused_vision_to_sglang_gemma4``, as ``fused_vision.revert_fused_vision_gemma4`` undoes
-    transformers' patch: with ``model=None`` SGLang's classes and every instance patch; with a model, its
-    modules. Returns the number of classes and instance patches undone, or of modules that were fused."""
+    """Undo ``apply_fused_vision_to_sglang_gemma4`` as every ``revert_…`` undoes its ``apply_…``
+    (docs/integrations.md): ``model=None``, SGLang's classes and every instance patch of them; a model,
+    its modules of those classes."""
     return patching.revert(model, _is_sglang_class)
 
 

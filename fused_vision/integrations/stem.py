@@ -24,6 +24,7 @@ __all__ = [
     "EMBEDDER_OPS",
     "FusedOp",
     "broadcast_rows",
+    "check_keywords",
     "embedder_runs_stock",
     "lookup_is_onehot",
     "plain_linear",
@@ -197,8 +198,31 @@ def pooler_runs_fused(pooler: nn.Module, hidden_states, pixel_position_ids, padd
 # ---- what an apply_… call patches ------------------------------------------------------------------
 
 
-def tower_targets(
+def check_keywords(
     caller: str,
+    model,
+    *,
+    embedder: str | None,
+    pooler: bool,
+    encoder: str,
+    backend: str,
+    encoders: Sequence[str],
+) -> None:
+    """The checks every ``apply_…`` makes before it imports its engine or patches anything, so that the same
+    bad input raises the same error in each (docs/integrations.md); ``encoders``: what this engine's
+    ``encoder=`` takes."""
+    patching.check_model(model)
+    if embedder is not None and embedder not in EMBEDDER_OPS:
+        raise ValueError(f"embedder: expected one of {EMBEDDER_OPS} or None, got {embedder!r}")
+    if encoder not in encoders:
+        raise ValueError(f"encoder: expected one of {tuple(encoders)}, got {encoder!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
+    if embedder is None and not pooler and encoder == "stock":
+        raise ValueError(f"{caller}: nothing selected (embedder=None, pooler=False, encoder='stock')")
+
+
+def tower_targets(
     embedder_cls: type,
     poolers: Sequence[tuple[type, object]],
     release: dict,
@@ -208,15 +232,9 @@ def tower_targets(
     backend: str,
     encoder: patching.Target | None = None,
 ) -> list[patching.Target]:
-    """What an ``apply_…`` call patches: a tower's embedder class (its forward and its lookup) with the op
-    ``embedder`` names, its pooler classes (``poolers``: (class, forward) pairs) when ``pooler``, and the
-    ``encoder`` target when given."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend: expected one of {BACKENDS}, got {backend!r}")
-    if embedder is not None and embedder not in EMBEDDER_OPS:
-        raise ValueError(f"embedder: expected one of {EMBEDDER_OPS} or None, got {embedder!r}")
-    if embedder is None and not pooler and encoder is None:
-        raise ValueError(f"{caller}: nothing selected (embedder=None and pooler=False)")
+    """What an ``apply_…`` call patches, its keywords checked (``check_keywords``): a tower's embedder class
+    (its forward and its lookup) with the op ``embedder`` names, its pooler classes (``poolers``: (class,
+    forward) pairs) when ``pooler``, and the ``encoder`` target when given."""
     targets = [] if encoder is None else [encoder]
     if embedder is not None:
         methods = {"forward": _embedder_forward, "_position_embeddings": _embedder_position_embeddings}

@@ -16,9 +16,9 @@ from .. import _releases, patching
 from ..encoder import joined_weights
 from ..ops.pool_by_positions import pool_by_positions as _fused_pool_by_positions
 from .encoder import encoder_forward, encoder_target
-from .stem import FusedOp, broadcast_rows, lookup_is_onehot, pooler_runs_fused, tower_targets
+from .stem import FusedOp, broadcast_rows, check_keywords, lookup_is_onehot, pooler_runs_fused, tower_targets
 
-__all__ = ["ENCODERS", "apply_fused_vision_to_gemma4", "revert_fused_vision_gemma4"]
+__all__ = ["ENCODERS", "apply_fused_vision_to_gemma4", "gemma4_targets", "revert_fused_vision_gemma4"]
 
 # What ``encoder=`` takes: stock's padded encoder, the packed one (``encoder.packed``), or the packed one
 # with fused layers (``encoder.fused_layer``).
@@ -80,68 +80,64 @@ def stock_pooler_mask(mask, pixel_position_ids, padding_positions, output_length
     return mask[: pixel_position_ids.shape[0]]
 
 
+def gemma4_targets(model: nn.Module | None, *, embedder, pooler, encoder, backend) -> list[patching.Target]:
+    """What ``apply_fused_vision_to_gemma4`` patches for these keywords, checked before: transformers'
+    embedder and pooler classes, and with a packed or fused encoder ``Gemma4VisionModel`` and
+    ``Gemma4VisionEncoder``, whose towers in ``model`` get their concatenated weights here. vLLM's
+    ``apply_…`` patches them too, for the tower vLLM builds."""
+    modeling = _releases.modeling()
+    release = dict(onehot_lookup=onehot_lookup(), pooler_float32=pooler_returns_float32())
+    tower_target = None
+    if encoder != "stock":
+        state = FusedOp(f"{encoder}_encoder", backend, **release)
+        tower_target = encoder_target(modeling.Gemma4VisionModel, model, state)
+    poolers = [(modeling.Gemma4VisionPooler, _pooler_forward)]
+    options = dict(embedder=embedder, pooler=pooler, backend=backend, encoder=tower_target)
+    targets = tower_targets(modeling.Gemma4VisionPatchEmbedder, poolers, release, **options)
+    if encoder != "stock":  # the encoder's own forward too: for its direct callers (vLLM) and torch.compile
+        targets.append(patching.Target(modeling.Gemma4VisionEncoder, {"forward": encoder_forward}, state))
+    return targets
+
+
 def apply_fused_vision_to_gemma4(
     model: nn.Module | None = None,
     *,
     embedder: str | None = "patch_embed",
     pooler: bool = True,
-    backend: str = "auto",
     encoder: str = "stock",
+    backend: str = "auto",
 ) -> int:
     """Put fused_vision's ops into transformers' Gemma 4 vision tower.
 
-    Args:
-        model: None to patch transformers' classes (``Gemma4VisionPatchEmbedder``, ``Gemma4VisionPooler``):
-            every instance without a patch of its own uses the fused ops from then on, including towers
-            built later by ``from_pretrained`` or by vLLM's ``AutoModel.from_config``. Or a module
-            (``Gemma4ForConditionalGeneration``, ``Gemma4Model``, ``Gemma4VisionModel``, or anything
-            containing those two classes, such as ``EmbeddingGemma2Model`` and DiffusionGemma's models,
-            which build the same tower) whose instances to patch, whether the class is patched or not.
-            SGLang builds a tower of its own: ``fused_vision.apply_fused_vision_to_sglang_gemma4``.
-        embedder: ``"patch_embed"``, the whole patch embedder as ``fused_vision.patch_embed`` (prescale,
-            projection, lookup and add in one kernel; where that cannot run, a quantized or hooked
-            ``input_proj`` or autocast, the lookup alone); ``"position_embeddings"``, only the lookup
-            inside the stock embedder (``fused_vision.position_embeddings``, fused with the residual
-            add), the projection staying the module's own; None leaves the embedder stock. Either op
-            also makes the embedder's ``_position_embeddings`` method the fused lookup, bit-identical:
-            vLLM 0.34+ runs its own projection and calls that method alone.
-        pooler: the pooler as ``fused_vision.pool_by_positions``.
-        backend: "auto", "triton" or "reference", for every patched op.
-        encoder: "stock" leaves ``Gemma4VisionModel.forward`` stock; "packed" makes it strip the padding and
-            run the packed encoder (``fused_vision.encoder.packed``), with stock's outputs; "fused" runs the packed
-            encoder with fused layers (``fused_vision.encoder.fused_layer``: concatenated QKV and gate/up GEMMs,
-            whose weights the parameters then view, and the layer kernels), and makes
-            ``Gemma4VisionEncoder.forward`` run them on its padded batch (under torch.compile the tower's
-            forward runs padded). Both need sdpa, eager or flash attention configured; ``encode_images``
-            on a tower patched so runs the same encoder.
+    The keywords, the return value, idempotence and the errors are those every engine's ``apply_…`` shares
+    (docs/integrations.md). Here:
 
-    Returns:
-        The number of modules (with ``model``) or classes (without) this call set to a fused op. Calling
-        again with the same arguments changes nothing and returns the same number; calling with other
-        arguments reconfigures the selected modules and leaves the unselected ones as they were.
+    - ``model=None`` patches transformers' ``Gemma4VisionPatchEmbedder`` and ``Gemma4VisionPooler`` (and,
+      for a packed or fused encoder, ``Gemma4VisionModel`` and ``Gemma4VisionEncoder``): towers built later
+      by ``from_pretrained`` or by vLLM's ``AutoModel.from_config`` included. A module is a
+      ``Gemma4ForConditionalGeneration``, ``Gemma4Model``, ``Gemma4VisionModel``, or anything holding
+      those classes, such as ``EmbeddingGemma2Model`` and DiffusionGemma's models, which build the same
+      tower. SGLang builds a tower of its own: ``fused_vision.apply_fused_vision_to_sglang_gemma4``.
+    - ``embedder``: either op also makes the embedder's ``_position_embeddings`` method the fused lookup,
+      bit-identical: vLLM 0.34+ runs its own projection and calls that method alone.
+    - ``encoder``: "packed" makes ``Gemma4VisionModel.forward`` strip the padding and run the packed
+      encoder (``fused_vision.encoder.packed``), with stock's outputs; "fused" runs it with fused layers
+      (``fused_vision.encoder.fused_layer``: concatenated QKV and gate/up GEMMs, whose weights the
+      parameters then view, and the layer kernels), and makes ``Gemma4VisionEncoder.forward`` run them on
+      its padded batch (under torch.compile the tower's forward runs padded). Both need sdpa, eager or
+      flash attention configured; ``encode_images`` on a tower patched so runs the same encoder.
 
     Raises:
-        ValueError: nothing selected, an unknown ``embedder``, ``encoder`` or backend, a packed or fused
-            tower configured with another attention implementation, or ``model`` holds no module to patch
-            (e.g. ``gemma4_unified`` checkpoints, which have no vision tower).
+        ValueError: as every ``apply_…``; also a packed or fused tower configured with another attention
+            implementation, and a ``model`` with no module to patch (e.g. ``gemma4_unified`` checkpoints,
+            which have no vision tower).
         TypeError: ``model`` is neither None nor an ``nn.Module``.
         ImportError: transformers or its Gemma 4 is missing.
     """
     caller = "apply_fused_vision_to_gemma4"
-    modeling = _releases.modeling()
-    poolers = [(modeling.Gemma4VisionPooler, _pooler_forward)]
-    release = dict(onehot_lookup=onehot_lookup(), pooler_float32=pooler_returns_float32())
-    if encoder not in ENCODERS:
-        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
-    tower_target = None
-    if encoder != "stock":
-        state = FusedOp(f"{encoder}_encoder", backend, **release)
-        tower_target = encoder_target(modeling.Gemma4VisionModel, model, state)
-    embedder_cls, options = modeling.Gemma4VisionPatchEmbedder, dict(embedder=embedder, pooler=pooler, backend=backend)
-    targets = tower_targets(caller, embedder_cls, poolers, release, **options, encoder=tower_target)
-    if encoder != "stock":  # the encoder's own forward too: for its direct callers (vLLM) and torch.compile
-        methods = {"forward": encoder_forward}
-        targets.append(patching.Target(modeling.Gemma4VisionEncoder, methods, state))
+    keywords = dict(embedder=embedder, pooler=pooler, encoder=encoder, backend=backend)
+    check_keywords(caller, model, **keywords, encoders=ENCODERS)
+    targets = gemma4_targets(model, **keywords)
     hint = (
         "Pass a Gemma4ForConditionalGeneration, Gemma4Model or Gemma4VisionModel (gemma4_unified checkpoints "
         "have no vision tower), or call it with model=None before the model is built."
@@ -156,13 +152,9 @@ def _is_transformers_class(cls: type) -> bool:
 
 
 def revert_fused_vision_gemma4(model: nn.Module | None = None) -> int:
-    """Undo ``apply_fused_vision_to_gemma4``.
-
-    With ``model=None``: restore transformers' patched classes and every instance patched (or pinned)
-    with ``model=``, so all of transformers' Gemma 4 runs stock code again; returns the number of classes
-    and instance patches undone. With a model: its modules run stock code, even while the classes stay
-    patched; returns the number of its modules that were running a fused op.
-    """
+    """Undo ``apply_fused_vision_to_gemma4`` as every ``revert_…`` undoes its ``apply_…``
+    (docs/integrations.md): ``model=None``, transformers' Gemma 4 classes and every instance patch of them;
+    a model, its modules of those classes. The fused encoder's parameters own their storage again."""
     undone = patching.revert(model, _is_transformers_class)
     joined_weights.release(model)  # the parameters own their storage again
     return undone

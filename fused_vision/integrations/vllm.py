@@ -1,9 +1,10 @@
 """fused_vision inside vLLM's Gemma 4: its plugin, the planner's chunks and an out-of-memory guard.
 
     FUSED_VISION_VLLM=1 vllm serve ...     # the plugin patches every process vLLM starts
+    apply_fused_vision_to_vllm_gemma4()     # or the same patch, in the process that builds the model
 
-vLLM builds transformers' own tower, which transformers' class patch fuses
-(``fused_vision.integrations.transformers``). Patched here, vLLM's model sizes the tower's chunks by
+vLLM builds transformers' own tower, which ``apply_fused_vision_to_vllm_gemma4`` fuses as
+``fused_vision.integrations.transformers`` does. Patched here too, vLLM's model sizes the tower's chunks by
 ``fused_vision.pipeline.planner.plan`` rather than by the one-hot's price, runs an encoding call again at half the
 chunk when it runs out of memory, and (``encoder=``, ``FUSED_VISION_VLLM_ENCODER``) packs the encoder
 (``fused_vision.encoder.padded``). Details: docs/vllm.md.
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import functools
 import importlib
 import logging
 import sys
@@ -30,7 +30,7 @@ from ..encoder.attention import attention_path
 from ..pipeline import encoding, planner
 from ..pipeline._chunks import HalvingChunks
 from . import report, stem
-from .transformers import ENCODERS, apply_fused_vision_to_gemma4
+from .transformers import ENCODERS, gemma4_targets, revert_fused_vision_gemma4
 
 __all__ = [
     "ENV_VLLM",
@@ -185,60 +185,82 @@ def _model_class() -> type:
     return module.Gemma4ForConditionalGeneration
 
 
-def apply_fused_vision_to_vllm_gemma4(*, encoder: str = "stock") -> int:
-    """Patch vLLM's ``Gemma4ForConditionalGeneration``: the planner's chunks and the out-of-memory guard;
-    with ``encoder`` "packed" or "fused", transformers' Gemma 4 encoder too.
-
-    For every model vLLM builds, built already or later:
-
-    - ``_encoder_chunk`` called through the model returns ``fused_vision.pipeline.planner.plan``'s chunk for its
-      tower's config, vLLM's model dtype and the tower's attention, within vLLM's own budget
-      ``min(free // 2, total // 10)``. It prices the path that runs: the one-hot where a 5.5-5.9
-      embedder runs stock code, the tower's activations otherwise. Called through the class (vLLM's
-      tests do), it stays vLLM's.
-    - ``_process_image_input`` and ``_process_video_input`` (in vLLM 0.34 their ``_local`` halves, which
-      also serve the CUDA-graph path's eager fallback) that run out of memory (``torch.OutOfMemoryError``)
-      run again, whole, with the chunk capped at half the chunk that failed, down to one item, whose
-      error is raised; a ``RuntimeWarning`` names the sizes.
-    - ``encoder``: "stock" leaves transformers' encoder as it is; "packed" or "fused" patch its class as
-      ``apply_fused_vision_to_gemma4(encoder=...)`` does (the embedder and pooler untouched): vLLM's padded
-      batches run packed in its eager calls, with fused layers on vLLM's linears for "fused", and
-      ``_encoder_chunk`` prices the packed encoder.
-
-    Returns:
-        The number of vLLM's methods patched: 3, fewer where this vLLM lacks one (a warning names it), 0
-        without ``_encoder_chunk``, whose chunk the guard would cap. Calling again changes nothing.
-
-    Raises:
-        ValueError: an unknown ``encoder``.
-        ImportError: vLLM or its Gemma 4 model is missing (transformers' too, for a packed or fused encoder).
-    """
-    if encoder not in ENCODERS:
-        raise ValueError(f"encoder: expected one of {ENCODERS}, got {encoder!r}")
-    cls = _model_class()
+def _vllm_targets(cls: type) -> list[patching.Target]:
+    """vLLM's class with the planner's chunk and the out-of-memory guard, on the methods this vLLM has; none
+    without ``_encoder_chunk``, whose chunk the guard caps. What is left out is warned of, once."""
     methods = _methods(cls)
     missing = [name for name in methods if patching.stock_attribute(cls, name) is patching.MISSING]
     if "_encoder_chunk" in missing:
         warn_once(f"fused_vision: vLLM's {cls.__name__} has no _encoder_chunk: its chunks stay vLLM's")
-        return 0
+        return []
     if missing:
         warn_once(f"fused_vision: vLLM's {cls.__name__} has no {' or '.join(missing)}: no out-of-memory guard there")
-    if encoder != "stock":
-        apply_fused_vision_to_gemma4(embedder=None, pooler=False, encoder=encoder)
     methods = {name: method for name, method in methods.items() if name not in missing}
-    patching.patch("apply_fused_vision_to_vllm_gemma4", None, [patching.Target(cls, methods, _PLANNER_STATE)], "")
-    return len(methods)
+    return [patching.Target(cls, methods, _PLANNER_STATE)]
+
+
+def apply_fused_vision_to_vllm_gemma4(
+    model: nn.Module | None = None,
+    *,
+    embedder: str | None = "patch_embed",
+    pooler: bool = True,
+    encoder: str = "stock",
+    backend: str = "auto",
+) -> int:
+    """Put fused_vision into vLLM's Gemma 4: transformers' tower, which vLLM builds, as
+    ``apply_fused_vision_to_gemma4`` patches it, and vLLM's ``Gemma4ForConditionalGeneration``: the
+    planner's chunks and the out-of-memory guard.
+
+    The keywords, the return value, idempotence and the errors are those every engine's ``apply_…`` shares
+    (docs/integrations.md). Here:
+
+    - ``model=None`` patches transformers' tower classes and vLLM's class, for every model vLLM builds,
+      built already or later. A module is vLLM's model as built (in its worker process, ``LLM.apply_model``
+      hands it over): its tower's modules and its own methods, other models keeping theirs. A vLLM model
+      that holds the tower but is no ``Gemma4ForConditionalGeneration`` (``EmbeddingGemma2Model``, which
+      copies vLLM's methods into its class body) gets its tower patched only, as with ``model=None``.
+    - ``_encoder_chunk`` called through the model returns ``fused_vision.pipeline.planner.plan``'s chunk for
+      its tower's config, vLLM's model dtype and the tower's attention, within vLLM's own budget
+      ``min(free // 2, total // 10)``. It prices the path that runs: the one-hot where a 5.5-5.9 embedder
+      runs stock code, the tower's activations otherwise, the packed encoder's where it runs. Called
+      through the class (vLLM's tests do), it stays vLLM's.
+    - ``_process_image_input`` and ``_process_video_input`` (in vLLM 0.34 their ``_local`` halves, which
+      also serve the CUDA-graph path's eager fallback) that run out of memory (``torch.OutOfMemoryError``)
+      run again, whole, with the chunk capped at half the chunk that failed, down to one item, whose
+      error is raised; a ``RuntimeWarning`` names the sizes.
+    - ``encoder``: "packed" or "fused" run vLLM's padded batches packed in its eager calls, with fused
+      layers on vLLM's linears for "fused".
+    - A method this vLLM lacks is left out, and a warning names it; without ``_encoder_chunk``, whose chunk
+      the guard caps, vLLM's class is left as it is and only the tower is patched.
+
+    Raises:
+        ValueError: as every ``apply_…``; also a packed or fused tower configured with another attention
+            implementation, and a ``model`` with no module to patch.
+        TypeError: ``model`` is neither None nor an ``nn.Module``.
+        ImportError: vLLM's Gemma 4 model or transformers' Gemma 4 is missing; nothing is patched.
+    """
+    caller = "apply_fused_vision_to_vllm_gemma4"
+    keywords = dict(embedder=embedder, pooler=pooler, encoder=encoder, backend=backend)
+    stem.check_keywords(caller, model, **keywords, encoders=ENCODERS)
+    cls = _model_class()
+    targets = gemma4_targets(model, **keywords) + _vllm_targets(cls)
+    hint = (
+        "Pass vLLM's Gemma4ForConditionalGeneration as built (LLM.apply_model hands it over in its worker "
+        "process), or call it with model=None before vLLM builds the model."
+    )
+    return patching.patch(caller, model, targets, hint)
 
 
 def _is_vllm_class(cls: type) -> bool:
     return cls.__module__.startswith("vllm.")
 
 
-def revert_fused_vision_vllm_gemma4() -> int:
-    """Undo ``apply_fused_vision_to_vllm_gemma4``: vLLM's class holds its own methods again, the very
-    objects it held. Returns the number of vLLM's classes restored (0 or 1). transformers' classes, the
-    encoder included, go back with ``revert_fused_vision_gemma4()``."""
-    return patching.revert(None, _is_vllm_class)
+def revert_fused_vision_vllm_gemma4(model: nn.Module | None = None) -> int:
+    """Undo ``apply_fused_vision_to_vllm_gemma4`` as every ``revert_…`` undoes its ``apply_…``
+    (docs/integrations.md): ``model=None``, vLLM's class, whose methods are then the very objects it held,
+    and transformers' tower classes (shared: ``apply_fused_vision_to_gemma4``'s class patch goes too), with
+    every instance patch of them; a model, its own methods and its tower's modules."""
+    return patching.revert(model, _is_vllm_class) + revert_fused_vision_gemma4(model)
 
 
 # ---- the plugin and its report -----------------------------------------------------------------------
@@ -313,19 +335,15 @@ def _first_call_line(model: nn.Module, name: str, call: _Call) -> tuple:
 def vllm_plugin() -> None:
     """vLLM's general-plugin hook (entry point group ``vllm.general_plugins``), which vLLM runs in every
     process it starts, its model workers included, where a patch made in the launching script does not
-    reach. Opt-in: only with FUSED_VISION_VLLM=1 does it patch transformers' Gemma 4 classes, then vLLM's
-    Gemma 4 model with FUSED_VISION_VLLM_ENCODER's encoder (stock when unset). A malformed switch raises
-    ValueError naming it, which stops the process: a typo must not serve stock silently. A patch that
-    cannot be made only logs a warning: vLLM runs its plugins unguarded."""
+    reach. Opt-in: only with FUSED_VISION_VLLM=1 does it call ``apply_fused_vision_to_vllm_gemma4`` with
+    FUSED_VISION_VLLM_ENCODER's encoder (stock when unset). A malformed switch raises ValueError naming
+    it, which stops the process: a typo must not serve stock silently. A patch that cannot be made only
+    logs a warning: vLLM runs its plugins unguarded."""
     if not flag(ENV_VLLM):
         return
     encoder = choice(ENV_VLLM_ENCODER, ENCODERS, "stock")
-    for what, apply in (
-        ("Gemma 4", apply_fused_vision_to_gemma4),
-        ("vLLM's Gemma 4", functools.partial(apply_fused_vision_to_vllm_gemma4, encoder=encoder)),
-    ):
-        try:
-            apply()
-        except Exception as exc:
-            logger.warning("fused_vision: %s=1 but %s cannot be patched here (%s)", ENV_VLLM, what, exc)
+    try:
+        apply_fused_vision_to_vllm_gemma4(encoder=encoder)
+    except Exception as exc:
+        logger.warning("fused_vision: %s=1 but vLLM's Gemma 4 cannot be patched here (%s)", ENV_VLLM, exc)
     _report_patched()

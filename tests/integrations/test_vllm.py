@@ -1,7 +1,7 @@
 """fused_vision.integrations.vllm against vLLM's own Gemma 4 model (0.33 and 0.34), built by vLLM on the CPU.
 
-The plugin's opt-in is tested anywhere. Everything else needs vLLM in an environment of its own
-(tests/integrations/vllm_models.py; `bash .ci/run tests_vllm` builds one for both releases) and skips without it.
+It needs vLLM in an environment of its own (tests/integrations/vllm_models.py; `bash .ci/run tests_vllm` builds
+one for both releases) and skips without it; the plugin's tests are in test_vllm_report.py.
 """
 
 import importlib
@@ -30,6 +30,7 @@ from gemma4_towers import modeling, out_of_memory_above
 from helpers import assert_bit_identical, assert_close, reverting_to_stock
 from op_cases import ULP
 from vllm_models import (  # noqa: F401 (the fixtures)
+    PATCHED,
     GiB,
     build_vllm_model,
     gemma4_mm,
@@ -39,14 +40,14 @@ from vllm_models import (  # noqa: F401 (the fixtures)
     needs_vllm,
     run,
     tiny_model,
+    transformers_is_patched,
     video_input,
     vision_input,
+    vllm_is_patched,
     vllm_process,
 )
 
 FRAME, IMAGE = 630, 2520  # patches per video frame (70 soft tokens) and per image (280), pooling kernel 3
-# the chunk and the guarded encoding calls: 0.34's _local halves, 0.33's whole calls
-PATCHED = tuple(fv._methods(model_class())) if gemma4_mm is not None else ()
 
 
 stock_after_each_test = reverting_to_stock(revert_fused_vision_vllm_gemma4, revert_fused_vision_gemma4)
@@ -62,120 +63,6 @@ def stock_methods() -> dict:
 
 
 STOCK = stock_methods() if gemma4_mm is not None else {}
-
-
-def vllm_is_patched() -> bool:
-    return all(isinstance(model_class().__dict__[name], fv.patching.InstanceMethod) for name in PATCHED)
-
-
-def transformers_is_patched() -> bool:
-    return modeling.Gemma4VisionPatchEmbedder.forward is stem._embedder_forward
-
-
-# ---- the plugin --------------------------------------------------------------------------------------
-
-
-def test_the_entry_point_is_in_the_installed_package_metadata():
-    (entry_point,) = [
-        e for e in importlib.metadata.entry_points(group="vllm.general_plugins") if e.dist.name == "fused-vision"
-    ]
-    assert entry_point.name == "fused_vision_gemma4"
-    assert entry_point.value == "fused_vision.integrations.vllm:vllm_plugin"
-    assert entry_point.load() is fv.vllm_plugin
-
-
-def test_the_plugin_does_nothing_without_the_variable(monkeypatch):
-    monkeypatch.delenv(fv.ENV_VLLM, raising=False)
-    fv.vllm_plugin()
-    assert not transformers_is_patched()
-    assert gemma4_mm is None or not vllm_is_patched()
-
-
-def test_the_plugin_patches_transformers_then_vllm(monkeypatch, caplog):
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    assert transformers_is_patched()
-    if gemma4_mm is None:
-        assert "FUSED_VISION_VLLM=1 but vLLM's Gemma 4 cannot be patched here" in caplog.text
-    else:
-        assert vllm_is_patched()
-        assert not [record for record in caplog.records if record.name == "fused_vision"]
-
-
-def test_the_plugin_warns_and_never_raises(monkeypatch, caplog):
-    """vLLM runs its plugins unguarded in every process: an error there would stop vLLM's start-up."""
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    monkeypatch.setitem(sys.modules, "transformers.models.gemma4.modeling_gemma4", None)
-    monkeypatch.setitem(sys.modules, fv.VLLM_MODULE, None)
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    assert "FUSED_VISION_VLLM=1 but Gemma 4 cannot be patched here" in caplog.text
-    assert "FUSED_VISION_VLLM=1 but vLLM's Gemma 4 cannot be patched here" in caplog.text
-
-    monkeypatch.setattr(
-        fv, "apply_fused_vision_to_vllm_gemma4", lambda **keywords: 1 / 0
-    )  # no ImportError: still caught
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    assert "vLLM's Gemma 4 cannot be patched here (division by zero)" in caplog.text
-
-
-@pytest.mark.parametrize("choice, encoder", [(None, None), ("", None), ("packed", "packed"), ("fused", "fused")])
-def test_the_plugin_patches_the_encoder_it_is_told_to(monkeypatch, caplog, choice, encoder):
-    from fused_vision.integrations.encoder import encoder_forward
-
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    if choice is None:
-        monkeypatch.delenv(fv.ENV_VLLM_ENCODER, raising=False)
-    else:
-        monkeypatch.setenv(fv.ENV_VLLM_ENCODER, choice)
-    with caplog.at_level("WARNING", logger="fused_vision"):
-        fv.vllm_plugin()
-    patched = vars(modeling.Gemma4VisionEncoder).get("forward") is encoder_forward
-    state = getattr(modeling.Gemma4VisionEncoder, "_fused_vision", None)
-    if gemma4_mm is None:  # the encoder is patched for vLLM's towers only
-        assert not patched and state is None
-        return
-    assert patched == (encoder is not None) and (state is None or state.op == f"{encoder}_encoder")
-    assert vllm_is_patched()
-    assert not [record for record in caplog.records if record.name == "fused_vision"]
-
-
-def test_an_unknown_encoder_choice_stops_the_plugin_by_name(monkeypatch):
-    monkeypatch.setenv(fv.ENV_VLLM, "1")
-    monkeypatch.setenv(fv.ENV_VLLM_ENCODER, "fastest")
-    with pytest.raises(ValueError, match="FUSED_VISION_VLLM_ENCODER='fastest': expected one of stock, packed, fused"):
-        fv.vllm_plugin()
-    assert not transformers_is_patched(), "nothing patched"
-    with pytest.raises(ValueError, match="encoder: expected one of"):
-        apply_fused_vision_to_vllm_gemma4(encoder="fastest")
-
-
-@needs_vllm
-@pytest.mark.parametrize(
-    "variable, allowed, patched",
-    [
-        (None, None, False),
-        ("1", None, True),
-        ("0", None, False),
-        ("1", "fused_vision_gemma4", True),
-        ("1", "lora_filesystem_resolver", False),  # another plugin allowed, ours not
-        ("1", "", False),  # VLLM_PLUGINS="" allows none
-    ],
-)
-def test_vllms_plugin_loader_patches_only_when_asked(monkeypatch, variable, allowed, patched):
-    import vllm.plugins
-
-    for name, value in ((fv.ENV_VLLM, variable), ("VLLM_PLUGINS", allowed)):
-        if value is None:
-            monkeypatch.delenv(name, raising=False)
-        else:
-            monkeypatch.setenv(name, value)
-    monkeypatch.setattr(vllm.plugins, "plugins_loaded", False)  # vLLM loads them once per process
-    vllm.plugins.load_general_plugins()
-    assert vllm_is_patched() == transformers_is_patched() == patched
 
 
 # ---- vLLM's model, built by vLLM on the CPU ---------------------------------------------------------------
@@ -239,7 +126,7 @@ def test_a_stock_one_hot_embedder_is_priced_as_vllm_prices_it(target_model, monk
     """Where a 5.5-5.9 embedder runs its stock one-hot (vLLM 0.33 pins 5.16+, so it is played here), the
     one-hot is the price: with sdpa, vLLM's own answer."""
     monkeypatch.setattr(fg, "onehot_lookup", lambda: True)
-    assert apply_fused_vision_to_vllm_gemma4() == 3  # transformers' classes stay stock
+    assert apply_fused_vision_to_vllm_gemma4(embedder=None) == 2  # the pooler and vLLM's model; the embedder stock
     arguments = (3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE)
     assert [target_model._encoder_chunk(patches, *arguments) for patches in (IMAGE, FRAME)] == [1, 7]
     apply_fused_vision_to_gemma4()  # now the lookup is fused
@@ -266,12 +153,86 @@ def test_the_revert_restores_vllms_methods_exactly(target_model):
     patch_both()
     assert repr(target_model).splitlines()[1].strip() == "fused_vision=planner"
     saved = target_model._encoder_chunk  # ours, bound: a caller may hold it across the revert
-    assert revert_fused_vision_vllm_gemma4() == 1
+    assert revert_fused_vision_vllm_gemma4() == 3, "vLLM's class and transformers' two"
+    assert not transformers_is_patched()
     assert saved(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 1, "a method saved before runs stock after"
     assert stock_methods() == STOCK and all(stock_methods()[name] is STOCK[name] for name in PATCHED)
     assert not any(name.startswith("_fused_vision") for name in vars(model_class()))
     assert target_model._encoder_chunk(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 1
     assert revert_fused_vision_vllm_gemma4() == 0
+
+
+# ---- the keywords every apply_… shares, and model= ----------------------------------------------------------
+
+TOWER = ("Gemma4VisionPatchEmbedder", "Gemma4VisionPooler", "Gemma4VisionModel", "Gemma4VisionEncoder")
+
+
+def tower_states() -> list:
+    return [str(fv.patching.fused_state(getattr(modeling, name))) for name in TOWER]
+
+
+@needs_vllm
+def test_one_call_patches_the_tower_as_transformers_apply_does(target_model):
+    keywords = dict(embedder="position_embeddings", pooler=False, encoder="packed", backend="reference")
+    assert apply_fused_vision_to_vllm_gemma4(**keywords) == 4, "the embedder, tower, encoder and vLLM's class"
+    assert apply_fused_vision_to_vllm_gemma4(**keywords) == 4, "again: the same patch"
+    assert vllm_is_patched() and fv.patching.fused_state(model_class()) == "planner"
+    states = tower_states()
+    assert states == ["position_embeddings(backend=reference)", "None", *["packed_encoder(backend=reference)"] * 2]
+    assert apply_fused_vision_to_vllm_gemma4() == 3, "the embedder and pooler reconfigured, the encoder left packed"
+    assert tower_states()[2:] == states[2:]
+    revert_fused_vision_vllm_gemma4()
+    assert apply_fused_vision_to_gemma4(**keywords) == 3
+    assert tower_states() == states, "transformers' own call, the same states"
+
+
+@needs_vllm
+def test_bad_keywords_raise_before_anything_is_patched(target_model):
+    for keywords, error in [
+        (dict(embedder=None, pooler=False), "apply_fused_vision_to_vllm_gemma4: nothing selected"),
+        (dict(embedder="one_hot"), "embedder: expected one of"),
+        (dict(encoder="fused", backend="cuda"), "backend: expected one of"),
+    ]:
+        with pytest.raises(ValueError, match=error):
+            apply_fused_vision_to_vllm_gemma4(target_model, **keywords)
+    with pytest.raises(TypeError, match="model: expected a torch.nn.Module or None, got str"):
+        apply_fused_vision_to_vllm_gemma4("google/gemma-4-31b-it")
+    with pytest.raises(ValueError, match="Linear contains no .*LLM.apply_model hands it over"):
+        apply_fused_vision_to_vllm_gemma4(torch.nn.Linear(2, 2))
+    assert not transformers_is_patched() and not vllm_is_patched()
+    assert fv.patching.fused_state(target_model) is None
+
+
+@needs_vllm
+def test_a_model_patched_alone_plans_its_own_chunks(target_model, tiny_model):
+    arguments = (IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE)
+    assert apply_fused_vision_to_vllm_gemma4(target_model) == 3, "its embedder, its pooler and itself"
+    assert apply_fused_vision_to_vllm_gemma4(target_model) == 3, "again: the same patch"
+    assert target_model._encoder_chunk(*arguments) == 16
+    assert tiny_model._encoder_chunk(*arguments) == 1, "another model: vLLM's chunk"
+    assert fv.patching.fused_state(tiny_model.vision_tower.patch_embedder) is None
+    assert fv.patching.fused_state(model_class()) is None and tower_states() == ["None"] * 4, "the classes: stock"
+    assert revert_fused_vision_vllm_gemma4(target_model) == 3
+    assert target_model._encoder_chunk(*arguments) == 1
+    apply_fused_vision_to_vllm_gemma4()
+    assert revert_fused_vision_vllm_gemma4(target_model) == 3, "pinned to stock while the classes are patched"
+    assert target_model._encoder_chunk(*arguments) == 1 and tiny_model._encoder_chunk(*arguments) > 1
+    assert apply_fused_vision_to_vllm_gemma4(tiny_model.vision_tower) == 2, "a tower without vLLM's model: alone"
+
+
+@needs_vllm
+def test_a_model_patched_alone_runs_its_encoder_and_its_guard(tiny_model, memory, monkeypatch):
+    assert apply_fused_vision_to_vllm_gemma4(tiny_model, encoder="fused") == 5, "4 tower modules and the model"
+    assert str(fv.patching.fused_state(tiny_model.vision_tower.encoder)) == "fused_encoder(backend=auto)"
+    inputs = video_input(tiny_model, [2, 3], 64, seed=15)
+    *_, unconstrained = run(tiny_model, "_process_video_input", inputs)
+    called = out_of_memory_above(monkeypatch, tiny_model.vision_tower.encoder, limit=2)
+    warning = "ran out of memory at 5 items per vision-tower call; went on with at most 2$"
+    with pytest.warns(RuntimeWarning, match=warning):
+        *_, got = run(tiny_model, "_process_video_input", inputs)
+    assert called == [5, 2, 2, 1]
+    for index, (g, e) in enumerate(zip(got, unconstrained, strict=True)):
+        assert_bit_identical(g, e, f"item {index}")
 
 
 @needs_vllm
@@ -414,16 +375,20 @@ def test_a_vllm_without_a_method_is_patched_where_it_can_be(target_model, monkey
     if video != "_process_video_input":  # 0.34: without the _local half, the whole call is guarded
         monkeypatch.delattr(model_class(), "_process_video_input")
     with pytest.warns(RuntimeWarning, match="has no _process_video_input: no out-of-memory guard there"):
-        assert apply_fused_vision_to_vllm_gemma4() == 2
+        assert apply_fused_vision_to_vllm_gemma4() == 3
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert apply_fused_vision_to_vllm_gemma4() == 2, "again: the same patch, and no second warning"
+        assert apply_fused_vision_to_vllm_gemma4() == 3, "again: the same patch, and no second warning"
+    assert [name for name in PATCHED if isinstance(vars(model_class()).get(name), fv.patching.InstanceMethod)] == [
+        name for name in PATCHED if name != video
+    ], "the two methods it has"
     assert target_model._encoder_chunk(IMAGE, 3 * GiB, 22 * GiB, POSITION_EMBEDDING_SIZE) == 16
     assert video not in vars(model_class())
-    assert revert_fused_vision_vllm_gemma4() == 1
+    assert revert_fused_vision_vllm_gemma4() == 3
     assert all(vars(model_class())[name] is STOCK[name] for name in PATCHED[:2])
 
     monkeypatch.delattr(model_class(), "_encoder_chunk")
     with pytest.warns(RuntimeWarning, match="has no _encoder_chunk: its chunks stay vLLM's"):
-        assert apply_fused_vision_to_vllm_gemma4() == 0
+        assert apply_fused_vision_to_vllm_gemma4() == 2, "the tower alone"
     assert vars(model_class())[PATCHED[1]] is STOCK[PATCHED[1]]
+    assert transformers_is_patched() and fv.patching.fused_state(model_class()) is None

@@ -128,7 +128,7 @@ def test_vllms_paths_run_the_packed_encoder_and_match_stock(tiny_model, memory, 
     stock, exact = embeddings(tiny_model, method, inputs), exact_embeddings(tiny_model, method, inputs, tmp_path)
     assert ran == {"packed": [], "fused": 0}
     apply_fused_vision_to_gemma4()
-    assert apply_fused_vision_to_vllm_gemma4(encoder=encoder) == 3
+    assert apply_fused_vision_to_vllm_gemma4(encoder=encoder) == 5, "the tower's four classes and vLLM's"
     with fallbacks_fail():  # no layer falls back
         got = embeddings(tiny_model, method, inputs)
     assert sorted(length for call in ran["packed"] for length in call) == real, "every item packed, padding dropped"

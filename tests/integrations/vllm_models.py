@@ -11,9 +11,10 @@ import importlib
 import pytest
 import torch
 
+import fused_vision.integrations.stem as stem
 import fused_vision.integrations.vllm as fv
 
-from gemma4_towers import gemma4_config, randomize, vision_config
+from gemma4_towers import gemma4_config, modeling, randomize, vision_config
 from helpers import dtype_id
 from op_cases import grid_ids
 
@@ -29,6 +30,18 @@ GiB = 2**30
 
 def model_class():
     return gemma4_mm.Gemma4ForConditionalGeneration
+
+
+# the chunk and the guarded encoding calls: 0.34's _local halves, 0.33's whole calls
+PATCHED = tuple(fv._methods(model_class())) if gemma4_mm is not None else ()
+
+
+def vllm_is_patched() -> bool:
+    return all(isinstance(model_class().__dict__[name], fv.patching.InstanceMethod) for name in PATCHED)
+
+
+def transformers_is_patched() -> bool:
+    return modeling.Gemma4VisionPatchEmbedder.forward is stem._embedder_forward
 
 
 @pytest.fixture(scope="module")
