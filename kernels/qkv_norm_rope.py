@@ -62,20 +62,20 @@ def _cos_sin(position, inv_freq, FAST_TRIG: tl.constexpr, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _projected(ptrs, f, F: tl.constexpr, MASKED: tl.constexpr, low, high, HAS_CLAMPS: tl.constexpr):
-    """fp32 values of a projection's part (``load_part``), with Gemma4ClippableLinear's output clamp in the
-    hidden dtype."""
-    x = load_part(ptrs, f, F, MASKED).to(tl.float32)
-    return clamp(x, low, high) if HAS_CLAMPS else x
+def _projected(ptrs, bounds, cols, F: tl.constexpr, MASKED: tl.constexpr):
+    """fp32 values of a projection's part (``load_part``), with Gemma4ClippableLinear's output clamp: ``bounds``
+    (low, high) in the hidden dtype, None without clamps."""
+    x = load_part(ptrs, cols, F, MASKED).to(tl.float32)
+    return x if bounds is None else clamp(x, bounds[0], bounds[1])
 
 
 @triton.jit
-def _normed(x, inverse, weights, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-            DTYPE: tl.constexpr):  # fmt: skip
-    """Stock's order: x * pow(...), then * weight, each in fp32; one rounding to the hidden dtype."""
+def _normed(x, inverse, weights, cols, F: tl.constexpr, MASKED: tl.constexpr, DTYPE: tl.constexpr):
+    """Stock's order: x * pow(...), then * weight (``weights`` None: v_norm has none), each in fp32; one rounding
+    to DTYPE."""
     x = x * inverse
-    if HAS_WEIGHT:
-        x = x * load_part(weights, f, F, MASKED).to(tl.float32)
+    if weights is not None:
+        x = x * load_part(weights, cols, F, MASKED).to(tl.float32)
     return round_to(x, DTYPE)
 
 
@@ -87,92 +87,92 @@ def _rotated(a, b, cos, sin):
 
 
 @triton.jit
-def _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, f, F: tl.constexpr,
-          MASKED: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_CLAMPS: tl.constexpr, ROPE: tl.constexpr,
-          DTYPE: tl.constexpr):  # fmt: skip
-    """Normalise (and rotate) one part of each quarter, given the heads' inverse RMS, and store it."""
-    x = _projected(source + f, f, F, MASKED, low, high, HAS_CLAMPS)
-    n0 = _normed(x, inverse, weight_ptr + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
-    x = _projected(source + F + f, f, F, MASKED, low, high, HAS_CLAMPS)
-    n1 = _normed(x, inverse, weight_ptr + F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
-    x = _projected(source + 2 * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
-    n2 = _normed(x, inverse, weight_ptr + 2 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
-    x = _projected(source + 3 * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
-    n3 = _normed(x, inverse, weight_ptr + 3 * F + f, f, F, MASKED, HAS_WEIGHT, DTYPE)
-    if ROPE:
-        n0, n1 = _rotated(n0, n1, cos_x, sin_x)
-        n2, n3 = _rotated(n2, n3, cos_y, sin_y)
-    store_part(target + f, n0, f, F, MASKED)
-    store_part(target + F + f, n1, f, F, MASKED)
-    store_part(target + 2 * F + f, n2, f, F, MASKED)
-    store_part(target + 3 * F + f, n3, f, F, MASKED)
+def _part(source, target, weight, bounds, inverse, rotary, cols, F: tl.constexpr, MASKED: tl.constexpr):
+    """One part (``cols``) of the heads' four quarters, given their inverse RMS: normalised in the output's dtype,
+    rotated by ``rotary`` (cos x, sin x, cos y, sin y) and stored. ``weight`` and ``rotary`` None: v, which has
+    neither."""
+    normed = ()
+    for quarter in tl.static_range(4):
+        x = _projected(source + quarter * F + cols, bounds, cols, F, MASKED)
+        weights = None if weight is None else weight + quarter * F + cols
+        normed += (_normed(x, inverse, weights, cols, F, MASKED, target.dtype.element_ty),)
+    if rotary is not None:
+        cos_x, sin_x, cos_y, sin_y = rotary
+        normed = _rotated(normed[0], normed[1], cos_x, sin_x) + _rotated(normed[2], normed[3], cos_y, sin_y)
+    for quarter in tl.static_range(4):
+        store_part(target + quarter * F + cols, normed[quarter], cols, F, MASKED)
 
 
 @triton.jit
-def _quarter_sum_squares(source, low, high, f, F: tl.constexpr, MASKED: tl.constexpr, HAS_CLAMPS: tl.constexpr):
+def _quarter_sum_squares(source, bounds, cols, F: tl.constexpr, MASKED: tl.constexpr):
     """Each head's sum of squares over one part of its four quarters: the loads the outputs' pass repeats,
     which the compiler then reads once."""
     squares = tl.zeros(source.shape, tl.float32)
     for quarter in tl.static_range(4):
-        x = _projected(source + quarter * F + f, f, F, MASKED, low, high, HAS_CLAMPS)
+        x = _projected(source + quarter * F + cols, bounds, cols, F, MASKED)
         squares = tl.fma(x, x, squares)  # one instruction: the kernel is built without fp fusion
     return tl.sum(squares, axis=2)
 
 
 @triton.jit
-def _row_sum_squares(source, low, high, D: tl.constexpr, HAS_CLAMPS: tl.constexpr):
+def _row_sum_squares(source, bounds, D: tl.constexpr):
     """Each head's sum of squares over its row of D channels as one contiguous vector (a power-of-two main
     part and tail, as ``row_parts``: 72 = 64 + 8): aligned 16-byte loads in one layout where the quarters'
     offsets are not (36 bytes apart at d = 72), which would cost a layout change per quarter."""
     ROW_MAIN: tl.constexpr = 1 << (D.bit_length() - 1)
     ROW_TAIL: tl.constexpr = 0 if ROW_MAIN == D else 1 << (D - ROW_MAIN - 1).bit_length()
     channels = tl.arange(0, ROW_MAIN)[None, None, :]
-    x = _projected(source + channels, channels, ROW_MAIN, False, low, high, HAS_CLAMPS)
+    x = _projected(source + channels, bounds, channels, ROW_MAIN, False)
     sum_squares = tl.sum(x * x, axis=2)
     if ROW_TAIL > 0:
         channels = ROW_MAIN + tl.arange(0, ROW_TAIL)[None, None, :]
-        x = _projected(source + channels, channels, D, ROW_MAIN + ROW_TAIL > D, low, high, HAS_CLAMPS)
+        x = _projected(source + channels, bounds, channels, D, ROW_MAIN + ROW_TAIL > D)
         sum_squares += tl.sum(x * x, axis=2)
     return sum_squares
 
 
 @triton.jit
-def _heads(source, target, weight_ptr, low, high, rotary, eps, FIRST: tl.constexpr, HEADS: tl.constexpr,
-           F: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
-           HAS_CLAMPS: tl.constexpr, ROPE: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """Heads FIRST to FIRST + HEADS of one projection for the block's tokens: ``source`` and ``target`` are
-    the tokens' rows in the projections and in the output. The inputs are read twice, for the sums and
-    for the outputs: the second read hits L1, and no value waits in a register across the reduction."""
-    heads = (FIRST + tl.arange(0, HEADS))[None, :, None] * (4 * F)
-    source, target = source[:, None, None] + heads, target[:, None, None] + heads
+def _heads(source, target, weight, bounds, rotary, eps, F: tl.constexpr, MAIN: tl.constexpr, TAIL: tl.constexpr):
+    """A group of heads of one projection: ``source`` and ``target`` the (tokens, heads, 1) starts of their rows
+    in the projections and in the output, ``rotary`` the main part's and the tail's (``_part``). The inputs are
+    read twice, for the sums and for the outputs: the second read hits L1, and no value waits in a register
+    across the reduction."""
     main = tl.arange(0, MAIN)[None, None, :]
     tail = MAIN + tl.arange(0, max(TAIL, 1))[None, None, :]
     MASK_TAIL: tl.constexpr = MAIN + TAIL > F
-    if (F * DTYPE.primitive_bitwidth) % 128 == 0:  # every quarter starts on a 16-byte boundary
-        sum_squares = _quarter_sum_squares(source + main * 0, low, high, main, F, False, HAS_CLAMPS)
+    if (F * source.dtype.element_ty.primitive_bitwidth) % 128 == 0:  # every quarter starts on a 16-byte boundary
+        sum_squares = _quarter_sum_squares(source + main * 0, bounds, main, F, False)
         if TAIL > 0:
-            sum_squares += _quarter_sum_squares(source + tail * 0, low, high, tail, F, MASK_TAIL, HAS_CLAMPS)
+            sum_squares += _quarter_sum_squares(source + tail * 0, bounds, tail, F, MASK_TAIL)
     else:
-        sum_squares = _row_sum_squares(source, low, high, 4 * F, HAS_CLAMPS)
+        sum_squares = _row_sum_squares(source, bounds, 4 * F)
     inverse = rms_inverse(sum_squares, 4 * F, eps)[:, :, None]
-    cos_x, sin_x, cos_y, sin_y = rotary[0], rotary[1], rotary[2], rotary[3]
-    _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, main, F, False, HAS_WEIGHT,
-          HAS_CLAMPS, ROPE, DTYPE)  # fmt: skip
+    _part(source, target, weight, bounds, inverse, rotary[0], main, F=F, MASKED=False)
     if TAIL > 0:
-        cos_x, sin_x, cos_y, sin_y = rotary[4], rotary[5], rotary[6], rotary[7]
-        _part(source, target, weight_ptr, low, high, inverse, cos_x, sin_x, cos_y, sin_y, tail, F, MASK_TAIL,
-              HAS_WEIGHT, HAS_CLAMPS, ROPE, DTYPE)  # fmt: skip
+        _part(source, target, weight, bounds, inverse, rotary[1], tail, F=F, MASKED=MASK_TAIL)
 
 
 @triton.jit
-def _projection(source, target, weight_ptr, low, high, rotary, eps, HEADS: tl.constexpr, F: tl.constexpr,
-                MAIN: tl.constexpr, TAIL: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_CLAMPS: tl.constexpr,
-                ROPE: tl.constexpr, DTYPE: tl.constexpr):  # fmt: skip
-    """All HEADS heads of one projection, in power-of-two groups (its binary digits, largest first)."""
+def _projection(
+    source,
+    target,
+    weight,
+    bounds,
+    rotary,
+    eps,
+    HEADS: tl.constexpr,
+    F: tl.constexpr,
+    MAIN: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    """All HEADS heads of one projection in power-of-two groups (its binary digits, largest first): ``source``
+    and ``target`` the tokens' rows in the projections and in the output."""
     for bit in tl.static_range(7, -1, -1):
         if HEADS >> bit & 1:
-            _heads(source, target, weight_ptr, low, high, rotary, eps, HEADS >> (bit + 1) << (bit + 1), 1 << bit, F,
-                   MAIN, TAIL, HAS_WEIGHT, HAS_CLAMPS, ROPE, DTYPE)  # fmt: skip
+            # The group's heads follow the larger groups': HEADS with this bit and those below it cleared.
+            heads = ((HEADS >> (bit + 1) << (bit + 1)) + tl.arange(0, 1 << bit))[None, :, None] * (4 * F)
+            group_source, group_target = source[:, None, None] + heads, target[:, None, None] + heads
+            _heads(group_source, group_target, weight, bounds, rotary, eps, F=F, MAIN=MAIN, TAIL=TAIL)
 
 
 @triton.jit
@@ -205,30 +205,31 @@ def _qkv_norm_rope_kernel(
     tokens = tl.minimum(tl.program_id(0).to(OFFSETS) * BLOCK_T + tl.arange(0, BLOCK_T), num_tokens - 1)
     position_x = tl.load(ids_ptr + 2 * tokens).to(tl.float32)
     position_y = tl.load(ids_ptr + 2 * tokens + 1).to(tl.float32)
+    # The main part's and the tail's (cos x, sin x, cos y, sin y), shared by every head of q and k.
     main = tl.arange(0, MAIN)
     inv_freq = tl.load(inv_freq_ptr + main * stride_inv_freq)
-    rotary = _cos_sin(position_x, inv_freq, FAST_TRIG, DTYPE) + _cos_sin(position_y, inv_freq, FAST_TRIG, DTYPE)
+    rotary = (_cos_sin(position_x, inv_freq, FAST_TRIG, DTYPE) + _cos_sin(position_y, inv_freq, FAST_TRIG, DTYPE),)
     if TAIL > 0:
         tail = MAIN + tl.arange(0, TAIL)
         inv_freq = tl.load(inv_freq_ptr + tail * stride_inv_freq, mask=tail < F, other=0.0)
-        rotary += _cos_sin(position_x, inv_freq, FAST_TRIG, DTYPE) + _cos_sin(position_y, inv_freq, FAST_TRIG, DTYPE)
-    q_low, q_high, k_low, k_high, v_low, v_high = 0.0, 0.0, 0.0, 0.0, 0.0, 0.0
+        rotary += (_cos_sin(position_x, inv_freq, FAST_TRIG, DTYPE) + _cos_sin(position_y, inv_freq, FAST_TRIG, DTYPE),)
+    q_bounds, k_bounds, v_bounds = None, None, None
     if HAS_CLAMPS:
-        q_low, q_high = clamp_bounds(clamps_ptr, 0, DTYPE)
-        k_low, k_high = clamp_bounds(clamps_ptr, 1, DTYPE)
-        v_low, v_high = clamp_bounds(clamps_ptr, 2, DTYPE)
+        q_bounds = clamp_bounds(clamps_ptr, 0, DTYPE)
+        k_bounds = clamp_bounds(clamps_ptr, 1, DTYPE)
+        v_bounds = clamp_bounds(clamps_ptr, 2, DTYPE)
 
     D: tl.constexpr = 4 * F
     source = qkv_ptr + tokens * stride_qkv
-    _projection(source, q_ptr + tokens * (HEADS * D), q_weight_ptr, q_low, q_high, rotary, eps, HEADS, F, MAIN, TAIL,
-                True, HAS_CLAMPS, True, DTYPE)  # fmt: skip
+    q_rows = q_ptr + tokens * (HEADS * D)
+    _projection(source, q_rows, q_weight_ptr, q_bounds, rotary, eps, HEADS=HEADS, F=F, MAIN=MAIN, TAIL=TAIL)
     source += HEADS * D
-    _projection(source, k_ptr + tokens * (KV_HEADS * D), k_weight_ptr, k_low, k_high, rotary, eps, KV_HEADS, F,
-                MAIN, TAIL, True, HAS_CLAMPS, True, DTYPE)  # fmt: skip
+    k_rows = k_ptr + tokens * (KV_HEADS * D)
+    _projection(source, k_rows, k_weight_ptr, k_bounds, rotary, eps, HEADS=KV_HEADS, F=F, MAIN=MAIN, TAIL=TAIL)
     source += KV_HEADS * D
-    # v_norm has no scale and v no RoPE.
-    _projection(source, v_ptr + tokens * (KV_HEADS * D), k_weight_ptr, v_low, v_high, rotary, eps, KV_HEADS, F,
-                MAIN, TAIL, False, HAS_CLAMPS, False, DTYPE)  # fmt: skip
+    # v_norm has no scale and v no RoPE: no weight, nor cos and sin for either part.
+    v_rows = v_ptr + tokens * (KV_HEADS * D)
+    _projection(source, v_rows, None, v_bounds, (None, None), eps, HEADS=KV_HEADS, F=F, MAIN=MAIN, TAIL=TAIL)
 
 
 # Meta-parameters that follow from the GPU's vendor ("cuda" or "hip"): the tools that build for another

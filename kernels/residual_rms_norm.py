@@ -15,28 +15,13 @@ from .common import (
     as_rows,
     interpreting,
     launcher,
+    load_part,
     offset_dtype,
     rms_inverse,
     round_to,
     row_parts,
+    store_part,
 )
-
-
-@triton.jit
-def _load_tail(ptr, tail, HIDDEN: tl.constexpr, MASK_TAIL: tl.constexpr):
-    """The tail part of a row, masked only where it passes D (a tail rounded up to a power of two)."""
-    if MASK_TAIL:
-        return tl.load(ptr + tail, mask=tail < HIDDEN, other=0.0)
-    else:
-        return tl.load(ptr + tail)
-
-
-@triton.jit
-def _store_tail(ptr, tail, value, HIDDEN: tl.constexpr, MASK_TAIL: tl.constexpr):
-    if MASK_TAIL:
-        tl.store(ptr + tail, value, mask=tail < HIDDEN)
-    else:
-        tl.store(ptr + tail, value)
 
 
 @triton.jit
@@ -83,8 +68,8 @@ def _residual_rms_norm_kernel(
     post_tail, next_tail = post_main, next_main
     if TAIL > 0:
         tail = MAIN + tl.arange(0, TAIL)
-        post_tail = _load_tail(post_weight_ptr, tail * stride_post_weight, HIDDEN, MASK_TAIL).to(tl.float32)
-        next_tail = _load_tail(next_weight_ptr, tail * stride_next_weight, HIDDEN, MASK_TAIL).to(tl.float32)
+        post_tail = load_part(post_weight_ptr + tail * stride_post_weight, tail, HIDDEN, MASK_TAIL).to(tl.float32)
+        next_tail = load_part(next_weight_ptr + tail * stride_next_weight, tail, HIDDEN, MASK_TAIL).to(tl.float32)
     for block in tl.static_range(ROWS):
         # The last program's rows past the end repeat the last row, rewriting it with the same values: no masks.
         row = tl.minimum(tl.program_id(0).to(OFFSETS) * ROWS + block, num_rows - 1)
@@ -94,8 +79,8 @@ def _residual_rms_norm_kernel(
         r_main = tl.load(residual_row + main)
         x_tail, r_tail = x_main, r_main
         if TAIL > 0:
-            x_tail = _load_tail(x_row, tail, HIDDEN, MASK_TAIL).to(tl.float32)
-            r_tail = _load_tail(residual_row, tail, HIDDEN, MASK_TAIL)
+            x_tail = load_part(x_row + tail, tail, HIDDEN, MASK_TAIL).to(tl.float32)
+            r_tail = load_part(residual_row + tail, tail, HIDDEN, MASK_TAIL)
         # Stock rounds post_norm's output to the hidden dtype, then adds it to the residual in that dtype.
         n_main, n_tail = _norm(x_main, x_tail, post_main, post_tail, eps, HIDDEN, TAIL, DTYPE)
         h_main = r_main + n_main
@@ -103,14 +88,14 @@ def _residual_rms_norm_kernel(
         h_tail = h_main
         if TAIL > 0:
             h_tail = r_tail + n_tail
-            _store_tail(h_row, tail, h_tail, HIDDEN, MASK_TAIL)
+            store_part(h_row + tail, h_tail, tail, HIDDEN, MASK_TAIL)
         if HAS_NEXT:
             y_main, y_tail = _norm(
                 h_main.to(tl.float32), h_tail.to(tl.float32), next_main, next_tail, eps, HIDDEN, TAIL, DTYPE
             )
             tl.store(y_row + main, y_main)
             if TAIL > 0:
-                _store_tail(y_row, tail, y_tail, HIDDEN, MASK_TAIL)
+                store_part(y_row + tail, y_tail, tail, HIDDEN, MASK_TAIL)
 
 
 def launch_config(interpreted: bool) -> tuple[int, int]:

@@ -99,6 +99,21 @@ def test_special_values_and_strides(poisoned, backend):
     assert h[2].isnan().all() and not h[[0, 1, 3]].isnan().any()
 
 
+@pytest.mark.parametrize("last_layer", [False, True], ids=["next_norm", "last_layer"])
+def test_strided_weights_past_a_masked_tail(last_layer):
+    """Weights read through their strides where the row's tail passes D (100 = 64 + 64, masked past 100): the
+    same h and y as from contiguous copies."""
+    x, residual, *weights = make_case((5, 100), torch.float32)
+    strided = [torch.stack([weight, -weight], dim=-1)[:, 0] for weight in weights]
+    if last_layer:
+        weights[1] = strided[1] = None
+    h, y = fused_vision.residual_rms_norm(x, residual, *strided, backend="triton")
+    expected_h, expected_y = fused_vision.residual_rms_norm(x, residual, *weights, backend="triton")
+    assert_bit_identical(h, expected_h, "h")
+    if not last_layer:
+        assert_bit_identical(y, expected_y, "y")
+
+
 @pytest.mark.parametrize(
     "change,error",
     [
