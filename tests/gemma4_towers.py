@@ -197,6 +197,17 @@ def alone(tower, pixels, ids):
     return [run_tower(tower, p[None].to(tower.dtype), i[None]) for p, i in zip(pixels, ids)]
 
 
+def alone_in_float64(tower, pixels, ids):
+    """``alone`` on a float64 twin of the tower: the exact answers each dtype is judged against."""
+    return alone(float64_twin(tower), [p.double() for p in pixels], ids)
+
+
+def assert_items_close(got, expected, what="item"):
+    """Each item within fp32's tolerance of its expected soft tokens."""
+    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert_close(g, e, **FP32_CLOSE, what=f"{what} {index}")
+
+
 def assert_items_match(got, stock, exact, dtype):
     assert len(got) == len(stock)
     for index, (g, s, x) in enumerate(zip(got, stock, exact, strict=True)):

@@ -25,6 +25,7 @@ from gemma4_towers import (
     SIZES,
     adapted,
     alone,
+    alone_in_float64,
     assert_gradients_match_stock,
     assert_items_match,
     compiled_fullgraph_soft_tokens,
@@ -80,7 +81,7 @@ def test_items_of_any_size_in_one_call_match_stock_alone(poisoned, kernel_calls,
     tower = tower_of(kind, dtype)
     pixels, ids = mixed_items()
     stock = alone(tower, pixels, ids)
-    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = alone_in_float64(tower, pixels, ids)
     with fallbacks_fail():  # no layer falls back
         got = encode_images(fused(tower), pixels, ids)
     assert kernel_calls == FUSED_LAYER_KERNELS * 2, "both layers fused, one call for every item"
@@ -97,7 +98,7 @@ def test_the_gate_up_epilogue_runs_where_asked_and_matches_stock(poisoned, kerne
     tower = tower_of(kind, dtype)
     pixels, ids = mixed_items()
     stock = alone(tower, pixels, ids)
-    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = alone_in_float64(tower, pixels, ids)
     launches, launch = [], gemm_kernels.gate_up_gelu
     monkeypatch.setattr(gemm_kernels, "gate_up_gelu", lambda *a: launches.append(a[0].shape) or launch(*a))
     monkeypatch.setenv("FUSED_VISION_GATE_UP_EPILOGUE", "1")
@@ -122,7 +123,7 @@ def test_processor_images_of_two_budgets_and_video_frames(kind, dtype):
     positions = max(int(i.max()) for i in ids) + 1
     tower = tower_of(kind, dtype, patch_size=4, positions=positions)
     stock = alone(tower, pixels, ids)
-    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = alone_in_float64(tower, pixels, ids)
     assert_items_match(encode_images(fused(tower), pixels, ids), stock, exact, dtype)
 
 

@@ -27,7 +27,9 @@ from gemma4_towers import (
     SIZES,
     VERSION,
     alone,
+    alone_in_float64,
     assert_gradients_match_stock,
+    assert_items_close,
     assert_items_match,
     fused_ops,
     make_inputs,
@@ -63,7 +65,7 @@ def test_items_of_different_patch_counts_in_one_call_match_stock_alone(poisoned,
     tower = tower_of(kind, dtype)
     pixels, ids = mixed_items()
     stock = alone(tower, pixels, ids)
-    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = alone_in_float64(tower, pixels, ids)
     got = encode_images(tower, pixels, ids)
     assert packed_calls == [5], "one packed call for every item"
     assert_items_match(got, stock, exact, dtype)
@@ -137,7 +139,7 @@ def test_processor_images_of_two_budgets_and_video_frames(packed_calls, kind, dt
     positions = max(int(i.max()) for i in ids) + 1
     tower = tower_of(kind, dtype, patch_size=4, positions=positions)
     stock = alone(tower, pixels, ids)
-    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = alone_in_float64(tower, pixels, ids)
     got = encode_images(tower, pixels, ids)
     assert packed_calls == [len(pixels)]
     assert [g.shape[0] for g in got] == [*tokens70, *tokens140, *frame_tokens]
@@ -212,8 +214,7 @@ def test_packed_calls_fill_up_to_the_token_budget(monkeypatch, packed_calls):
     packed_calls.clear()
     encode_images(tower, pixels, ids, max_batch=1)
     assert packed_calls == [1] * 5
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+    assert_items_close(got, expected)
 
 
 def test_the_budget_is_the_planners_under_vllms_safety_net(monkeypatch):
@@ -261,8 +262,7 @@ def test_a_packed_call_that_runs_out_of_memory_is_halved(monkeypatch):
     with pytest.warns(RuntimeWarning, match=r"out of memory at 7 -> 3 items per packed call; went on with at most 1"):
         got = encode_images(tower, pixels, ids)
     assert sizes == [7, 3] + [1] * 7
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+    assert_items_close(got, expected)
 
 
 def test_a_packed_call_of_one_item_that_runs_out_of_memory_reraises(monkeypatch):

@@ -15,7 +15,7 @@ from fused_vision.encoder import packed
 from fused_vision.pipeline.graphs import bucket_lengths
 
 from .conftest import SMOKE, image_ids, sync_debug_mode
-from gemma4_towers import ACCURACY_FLOOR, alone, modeling, randomize
+from gemma4_towers import ACCURACY_FLOOR, alone, alone_in_float64, float64_twin, modeling, randomize
 from helpers import DEVICE, assert_as_accurate_as_stock, assert_bit_identical, dtype_id, relative_error
 
 pytestmark = pytest.mark.gpu
@@ -59,7 +59,7 @@ def test_encoder_as_accurate_as_stock_at_real_layer_shapes(record_property, towe
     pixels, ids = real_shape_batch()
     tower = real_shape_tower(dtype, tower_shape)
     stock = alone(tower, pixels, ids)
-    exact = alone(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = alone_in_float64(tower, pixels, ids)
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
     with torch.no_grad():
         got = encode_images(tower, pixels, ids)
@@ -87,7 +87,7 @@ def test_encoder_gradients_as_accurate_as_stock_at_real_layer_shapes(record_prop
     three (an H200 measured 1.4e-6 against stock's 8.0e-7 at the 26B/31B shape)."""
     pixels, ids = real_shape_batch()
     tower = real_shape_tower(torch.float32, tower_shape).train()
-    exact = tower_gradients(copy.deepcopy(tower).double(), [p.double() for p in pixels], ids)
+    exact = tower_gradients(float64_twin(tower), [p.double() for p in pixels], ids)
     stock = tower_gradients(copy.deepcopy(tower), pixels, ids)
     apply_fused_vision_to_gemma4(tower, encoder=encoder)
     got = tower_gradients(tower, pixels, ids)

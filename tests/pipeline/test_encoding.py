@@ -23,6 +23,7 @@ from gemma4_towers import (
     SIZES,
     TINY_TEXT,
     VERSION,
+    assert_items_close,
     assert_soft_tokens_match,
     float64_twin,
     fused_ops,
@@ -114,8 +115,7 @@ def test_encode_images_list_of_mixed_sizes(planner_calls):
     with torch.no_grad():
         got = encode_padded(tower, pixels, ids)
     assert sorted(planner_calls) == [(2, SEQ_LEN, torch.float32), (3, 16, torch.float32)]
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+    assert_items_close(got, expected)
 
 
 def many_items(count, seed):
@@ -138,8 +138,7 @@ def test_encode_images_halves_a_chunk_that_runs_out_of_memory(monkeypatch, stack
         got = encode_padded(tower, pixels, ids)
     assert sizes == [7, 3] + [1] * 7, "halved on each error, and the smaller chunk kept for the rest"
     assert len(got) == len(expected)
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+    assert_items_close(got, expected)
 
 
 def test_encode_images_keeps_the_smaller_chunk_for_the_rest_of_the_bucket(monkeypatch):
@@ -151,8 +150,7 @@ def test_encode_images_keeps_the_smaller_chunk_for_the_rest_of_the_bucket(monkey
     with pytest.warns(RuntimeWarning, match=r"out of memory at 5 items per call of 64 patches; went on with at most 2"):
         got = encode_padded(tower, pixels, ids)
     assert sizes == [5, 2, 2, 1]
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, **FP32_CLOSE, what=f"item {index}")
+    assert_items_close(got, expected)
 
 
 def test_encode_images_reraises_where_one_item_does_not_fit(monkeypatch):
@@ -355,5 +353,4 @@ def test_processor_items_of_two_budgets_through_encode_padded(planner_calls):
         got = encode_padded(tower, pixels, ids, max_batch=2)
     assert sorted(planner_calls) == [(2, 560, torch.float32), (3, 280, torch.float32)]
     assert [g.shape[0] for g in got] == tokens
-    for index, (g, e) in enumerate(zip(got, expected, strict=True)):
-        assert_close(g, e, **FP32_CLOSE, what=f"image {index}")
+    assert_items_close(got, expected, what="image")
